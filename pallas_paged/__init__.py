@@ -1,0 +1,87 @@
+"""Paged-attention kernels and KV-cache operations: the public API.
+
+Per layer the KV cache is two arrays, ``k_cache, v_cache: [num_kv_heads,
+num_blocks, block_size, head_dim]``; slot ``block * block_size + offset``.
+
+Each attention op picks its implementation for the platform being lowered
+for (``jax.lax.platform_dependent``), not the process's default backend:
+the same jitted function runs the Pallas kernel in interpret mode on CPU,
+compiles it with Triton for CUDA, and uses a Mosaic kernel on TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_paged import decode, decode_tpu, ragged, tiling
+from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
+from pallas_paged.layout import KVCacheSpec, blocks_needed
+
+__all__ = [
+    "KVCacheSpec",
+    "blocks_needed",
+    "copy_blocks",
+    "paged_attention",
+    "ragged_paged_attention",
+    "swap_in",
+    "swap_out",
+    "write_kv",
+]
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens):
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must have the same shape")
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[-1]} differs from the cache's head_dim {k_cache.shape[-1]}")
+    if q.shape[-2] % k_cache.shape[0]:
+        raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k_cache.shape[0]} KV heads")
+    if block_tables.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but context_lens {context_lens.shape[0]}")
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
+    """Decode attention: one query token per sequence, through block tables.
+
+    q: [num_seqs, num_q_heads, head_dim]; k_cache, v_cache: [num_kv_heads,
+    num_blocks, block_size, head_dim]; block_tables: int32[num_seqs, max_blocks];
+    context_lens: int32[num_seqs] (the query is the last of these tokens; 0
+    marks a padding row, which returns zeros). GQA when num_q_heads is a
+    multiple of num_kv_heads. ``scale`` defaults to ``head_dim ** -0.5``.
+    Returns [num_seqs, num_q_heads, head_dim].
+    """
+    assert q.shape[0] == block_tables.shape[0], "one query token per sequence"
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    common = functools.partial(decode.paged_attention, scale=scale)
+    return jax.lax.platform_dependent(
+        q, k_cache, v_cache, block_tables, context_lens,
+        cpu=functools.partial(common, tiling=tiling.CPU, interpret=True),
+        cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        tpu=functools.partial(decode_tpu.paged_attention, scale=scale, interpret=False),
+    )
+
+
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale=None):
+    """Causal attention for any mix of prefill chunks and decodes in one call.
+
+    q: [num_tokens, num_q_heads, head_dim]; sequence i owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` (int32[num_seqs + 1]), which are
+    the last positions of its ``context_lens[i]`` tokens, so a prompt whose
+    prefix is already cached computes only its suffix. Rows past
+    ``query_start_loc[-1]`` are padding and return zeros.
+    Returns [num_tokens, num_q_heads, head_dim].
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    common = functools.partial(ragged.ragged_paged_attention, scale=scale)
+    return jax.lax.platform_dependent(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        cpu=functools.partial(common, tiling=tiling.CPU, interpret=True),
+        cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        tpu=functools.partial(decode_tpu.ragged_paged_attention, scale=scale),
+    )

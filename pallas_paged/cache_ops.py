@@ -1,0 +1,95 @@
+"""Writing, copying and swapping whole KV blocks (plain XLA scatters and gathers).
+
+These move memory rather than compute, so XLA's scatter and gather are already
+the right tool on every platform; under ``jit`` with the caches donated they
+update the cache in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _drop_negative(index, size):
+    """Map padding entries (< 0) past the end, where ``mode="drop"`` ignores them."""
+    return jnp.where(index < 0, size, index)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Store one step's keys and values in their slots.
+
+    k_cache, v_cache: [kv_heads, blocks, block_size, d]; k, v: [tokens,
+    kv_heads, d]; slot_mapping: int32[tokens], ``block * block_size + offset``,
+    -1 for padding tokens (nothing written). Returns the updated caches.
+    """
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    slots = _drop_negative(slot_mapping, num_blocks * block_size)
+
+    def write(cache, new):
+        flat = cache.reshape(kv_heads, num_blocks * block_size, head_dim)
+        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return write(k_cache, k), write(v_cache, v)
+
+
+def copy_blocks(k_cache, v_cache, src, dst):
+    """Copy-on-write: block ``src[i]`` → block ``dst[i]`` for every pair, in one scatter.
+
+    src, dst: int32[pairs]; pairs with a negative entry are padding. No ``dst``
+    may also appear in ``src``. Returns the updated caches.
+    """
+    num_blocks = k_cache.shape[1]
+    src = jnp.maximum(src, 0)
+    dst = _drop_negative(dst, num_blocks)
+
+    def copy(cache):
+        return cache.at[:, dst].set(cache[:, src], mode="drop")
+
+    return copy(k_cache), copy(v_cache)
+
+
+def host_sharding(device: jax.Device | None = None) -> jax.sharding.Sharding:
+    """Where swapped-out blocks live: the device's pinned host memory."""
+    device = device or jax.devices()[0]
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+def _device_of(array) -> jax.Device:
+    return next(iter(array.devices()))
+
+
+def swap_out(k_cache, v_cache, block_ids):
+    """Copy whole blocks to host memory.
+
+    block_ids: int32[n] device blocks. Returns ``(host_k, host_v)``, each
+    ``[kv_heads, n, block_size, d]`` in the ``pinned_host`` memory kind.
+    """
+    gathered = _gather(k_cache, v_cache, jnp.asarray(block_ids))
+    sharding = host_sharding(_device_of(k_cache))
+    return jax.device_put(gathered, sharding)
+
+
+@jax.jit
+def _gather(k_cache, v_cache, block_ids):
+    return k_cache[:, block_ids], v_cache[:, block_ids]
+
+
+def swap_in(k_cache, v_cache, host_k, host_v, block_ids):
+    """Copy whole blocks from host memory back into the caches.
+
+    host_k, host_v: [kv_heads, n, block_size, d] (any memory kind); block_ids:
+    int32[n] device blocks to fill. The input caches are donated (updated in
+    place); use the returned ones.
+    """
+    device = jax.sharding.SingleDeviceSharding(_device_of(k_cache))
+    host_k, host_v = jax.device_put((host_k, host_v), device)
+    return _scatter(k_cache, v_cache, host_k, host_v, jnp.asarray(block_ids))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter(k_cache, v_cache, host_k, host_v, block_ids):
+    return k_cache.at[:, block_ids].set(host_k), v_cache.at[:, block_ids].set(host_v)

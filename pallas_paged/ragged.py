@@ -1,0 +1,90 @@
+"""Ragged paged attention: prefill chunks and decodes mixed in one call (GPU-style Pallas).
+
+The query tokens are cut into tiles of at most ``tokens_per_tile`` tokens of
+one sequence each. Grid: (block of KV heads, tile). A program loops over
+the blocks its tile can see (causal) with an online softmax. Tiles are
+gathered from ``q`` before the call and scattered back after it, so every
+program reads and writes one whole, aligned tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_paged import softmax
+from pallas_paged.layout import load_blocks
+from pallas_paged.tiling import QueryTiles, Tiling
+
+
+def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, block_tables_ref, context_lens_ref,
+                   query_lens_ref, q_ref, k_ref, v_ref, o_ref, *,
+                   heads_per_program, blocks_per_step, group_rows, scale):
+    head_block = pl.program_id(0)
+    tile = pl.program_id(1)
+    heads = head_block if heads_per_program == 1 else pl.ds(head_block * heads_per_program, heads_per_program)
+    seq = tile_seq_ref[tile]
+    context_len = context_lens_ref[seq]
+    first_pos = context_len - query_lens_ref[seq] + tile_start_ref[tile]
+    last_pos = first_pos + tile_len_ref[tile] - 1
+    keys_per_step = k_ref.shape[2] * blocks_per_step
+    q = q_ref[...].astype(jnp.float32) * scale
+    row_pos = first_pos + jnp.arange(q.shape[-2]) // group_rows
+
+    def step(i, state):
+        block_ids = block_tables_ref[seq, pl.ds(i * blocks_per_step, blocks_per_step)]
+        k = load_blocks(k_ref, heads, block_ids)
+        v = load_blocks(v_ref, heads, block_ids)
+        key_pos = i * keys_per_step + jnp.arange(keys_per_step)
+        causal = key_pos[None, :] <= row_pos[:, None]
+        return softmax.update(state, q, k, v, key_pos < context_len, causal)
+
+    num_steps = jnp.where(tile_len_ref[tile] > 0, pl.cdiv(last_pos + 1, keys_per_step), 0)
+    state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(q))
+    o_ref[...] = softmax.finish(state).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                           scale, tiling: Tiling, interpret: bool):
+    """Causal attention for any mix of prefill chunks and decodes.
+
+    q: [tokens, q_heads, d]; k_cache, v_cache: [kv_heads, blocks, block_size, d];
+    block_tables: int32[seqs, max_blocks]; context_lens: int32[seqs];
+    query_start_loc: int32[seqs + 1]. Sequence i owns q rows
+    ``query_start_loc[i]:query_start_loc[i+1]``, the last positions of its
+    ``context_lens[i]`` tokens. Returns [tokens, q_heads, d]; unowned rows are 0.
+    """
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = q_heads // kv_heads
+    tokens_per_tile = tiling.tokens_per_tile
+    rows = tiling.group_rows(group, tokens=tokens_per_tile)
+    per_program = tiling.heads(kv_heads)
+    blocks_per_step = tiling.steps(block_size)
+    num_tiles = QueryTiles.max_tiles(num_tokens, num_seqs, tokens_per_tile)
+
+    tiles = QueryTiles.build(query_start_loc, tokens_per_tile, num_tiles)
+    q_tiles = tiles.gather(q, kv_heads, rows)
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % blocks_per_step)))
+
+    head_block = None if per_program == 1 else per_program
+    q_spec = pl.BlockSpec((head_block, None, tokens_per_tile * rows, head_dim), lambda h, t: (h, t, 0, 0))
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_ragged_kernel, heads_per_program=per_program,
+                               blocks_per_step=blocks_per_step, group_rows=rows, scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        grid=(kv_heads // per_program, num_tiles),
+        in_specs=[anywhere] * 6 + [q_spec, anywhere, anywhere],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="ragged_paged_attention",
+    )(tiles.seq, tiles.start, tiles.length, block_tables, context_lens, tiles.query_lens, q_tiles, k_cache, v_cache)
+    return tiles.scatter(out, num_tokens, group)
