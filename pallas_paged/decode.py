@@ -21,7 +21,7 @@ from pallas_paged.tiling import Tiling
 
 
 def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_ref, *,
-                   heads_per_program, blocks_per_step, scale):
+                   heads_per_program, blocks_per_step, one_by_one, scale):
     seq = pl.program_id(0)
     head_block = pl.program_id(1)
     heads = head_block if heads_per_program == 1 else pl.ds(head_block * heads_per_program, heads_per_program)
@@ -30,9 +30,9 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_re
     q = q_ref[...].astype(jnp.float32) * scale
 
     def step(i, state):
-        block_ids = block_tables_ref[seq, pl.ds(i * blocks_per_step, blocks_per_step)]
-        k = load_blocks(k_ref, heads, block_ids)
-        v = load_blocks(v_ref, heads, block_ids)
+        read = functools.partial(load_blocks, heads=heads, block_tables_ref=block_tables_ref, seq=seq,
+                                 first=i * blocks_per_step, count=blocks_per_step, one_by_one=one_by_one)
+        k, v = read(k_ref), read(v_ref)
         key_valid = i * keys_per_step + jnp.arange(keys_per_step) < context_len
         return softmax.update(state, q, k, v, key_valid)
 
@@ -53,7 +53,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, t
     group = q_heads // kv_heads
     rows = tiling.group_rows(group, tokens=1)
     per_program = tiling.heads(kv_heads)
-    blocks_per_step = tiling.steps(block_size)
+    blocks_per_step = tiling.blocks_per_step(block_size)
 
     q_tiles = jnp.pad(q.reshape(seqs, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % blocks_per_step)))
@@ -61,7 +61,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, t
     q_spec = pl.BlockSpec((None, head_block, rows, head_dim), lambda s, h: (s, h, 0, 0))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_decode_kernel, heads_per_program=per_program,
-                               blocks_per_step=blocks_per_step, scale=scale)
+                               blocks_per_step=blocks_per_step, one_by_one=tiling.one_by_one, scale=scale)
     out = pl.pallas_call(
         kernel,
         grid=(seqs, kv_heads // per_program),

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +57,23 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def load_blocks(cache_ref, heads, block_ids):
-    """Read whole KV blocks through a block table, inside a kernel.
+def load_blocks(cache_ref, heads, block_tables_ref, seq, first, count: int, *, one_by_one: bool):
+    """Read ``count`` consecutive logical blocks of sequence ``seq``, inside a kernel.
 
     cache_ref: ref to ``[kv_heads, num_blocks, block_size, d]``; heads: an int
-    (one head) or a ``pl.ds`` slice of heads; block_ids: int32[n] physical
-    block numbers. Returns ``[n * block_size, d]`` (or ``[heads, n * block_size, d]``).
+    (one head) or a ``pl.ds`` slice of heads; block_tables_ref: ref to
+    int32[seqs, max_blocks]; first: the first logical block. Returns
+    ``[count * block_size, d]`` (or ``[heads, count * block_size, d]``).
+
+    ``one_by_one`` reads each block with its own dynamic slice and
+    concatenates them: in interpret mode a vector-indexed read becomes an
+    element-by-element gather, several times slower. Triton wants the single
+    vector-indexed read (it has no concatenate).
     """
+    if one_by_one:
+        blocks = [cache_ref[heads, block_tables_ref[seq, first + j]] for j in range(count)]
+        return jnp.concatenate(blocks, axis=-2)
+    block_ids = block_tables_ref[seq, pl.ds(first, count)]
     blocks = cache_ref[heads, block_ids]
     *lead, n, block_size, head_dim = blocks.shape
     return blocks.reshape(*lead, n * block_size, head_dim)

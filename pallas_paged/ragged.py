@@ -23,7 +23,7 @@ from pallas_paged.tiling import QueryTiles, Tiling
 
 def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, block_tables_ref, context_lens_ref,
                    query_lens_ref, q_ref, k_ref, v_ref, o_ref, *,
-                   heads_per_program, blocks_per_step, group_rows, scale):
+                   heads_per_program, blocks_per_step, one_by_one, group_rows, scale):
     head_block = pl.program_id(0)
     tile = pl.program_id(1)
     heads = head_block if heads_per_program == 1 else pl.ds(head_block * heads_per_program, heads_per_program)
@@ -36,9 +36,9 @@ def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, block_tables_ref,
     row_pos = first_pos + jnp.arange(q.shape[-2]) // group_rows
 
     def step(i, state):
-        block_ids = block_tables_ref[seq, pl.ds(i * blocks_per_step, blocks_per_step)]
-        k = load_blocks(k_ref, heads, block_ids)
-        v = load_blocks(v_ref, heads, block_ids)
+        read = functools.partial(load_blocks, heads=heads, block_tables_ref=block_tables_ref, seq=seq,
+                                 first=i * blocks_per_step, count=blocks_per_step, one_by_one=one_by_one)
+        k, v = read(k_ref), read(v_ref)
         key_pos = i * keys_per_step + jnp.arange(keys_per_step)
         causal = key_pos[None, :] <= row_pos[:, None]
         return softmax.update(state, q, k, v, key_pos < context_len, causal)
@@ -65,7 +65,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     tokens_per_tile = tiling.tokens_per_tile
     rows = tiling.group_rows(group, tokens=tokens_per_tile)
     per_program = tiling.heads(kv_heads)
-    blocks_per_step = tiling.steps(block_size)
+    blocks_per_step = tiling.blocks_per_step(block_size)
     num_tiles = QueryTiles.max_tiles(num_tokens, num_seqs, tokens_per_tile)
 
     tiles = QueryTiles.build(query_start_loc, tokens_per_tile, num_tiles)
@@ -76,7 +76,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     q_spec = pl.BlockSpec((head_block, None, tokens_per_tile * rows, head_dim), lambda h, t: (h, t, 0, 0))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_ragged_kernel, heads_per_program=per_program,
-                               blocks_per_step=blocks_per_step, group_rows=rows, scale=scale)
+                               blocks_per_step=blocks_per_step, one_by_one=tiling.one_by_one, group_rows=rows, scale=scale)
     out = pl.pallas_call(
         kernel,
         grid=(kv_heads // per_program, num_tiles),

@@ -7,39 +7,33 @@ these; nothing else should call them.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _gather_sequence(cache, block_table):
-    """``cache[kv_heads, blocks, block_size, d]`` → contiguous ``[kv_heads, max_blocks * block_size, d]``."""
-    kv_heads, _, block_size, head_dim = cache.shape
-    return cache[:, block_table].reshape(kv_heads, -1, head_dim)
-
-
+@jax.jit
 def _attend(q, k, v, mask, scale):
-    """Masked softmax attention for one sequence.
+    """Masked softmax attention, batched over sequences, in float32.
 
-    q: [q_len, q_heads, d]; k, v: [kv_heads, kv_len, d]; mask: bool[q_len, kv_len].
-    Returns [q_len, q_heads, d] in q's dtype, computed in float32.
+    q: [seqs, q_len, q_heads, d]; k, v: [seqs, kv_heads, kv_len, d];
+    mask: bool[seqs, q_len, kv_len]. Returns [seqs, q_len, q_heads, d].
     """
-    q_len, q_heads, head_dim = q.shape
-    kv_heads = k.shape[0]
-    group = q_heads // kv_heads
-    qf = q.astype(jnp.float32).reshape(q_len, kv_heads, group, head_dim)
-    kf = k.astype(jnp.float32)
-    vf = jnp.where(mask.any(0)[None, :, None], v.astype(jnp.float32), 0.0)
-    scores = jnp.einsum("qhgd,hkd->hgqk", qf, kf) * scale
-    scores = jnp.where(mask[None, None], scores, -jnp.inf)
-    weights = jnp.nan_to_num(jnp.exp(scores - scores.max(-1, keepdims=True)))
-    weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), 1e-30)
-    out = jnp.einsum("hgqk,hkd->qhgd", weights, vf)
-    return out.reshape(q_len, q_heads, head_dim).astype(q.dtype)
+    seqs, q_len, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qf = q.astype(jnp.float32).reshape(seqs, q_len, kv_heads, q_heads // kv_heads, head_dim)
+    seen = mask.any(1)[:, None, :, None]
+    vf = jnp.where(seen, v.astype(jnp.float32), 0.0)
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qf, k.astype(jnp.float32)) * scale
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
+    weights = jnp.where(mask[:, None, None], weights, 0.0)
+    out = jnp.einsum("shgqk,shkd->sqhgd", weights, vf)
+    return out.reshape(seqs, q_len, q_heads, head_dim)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
     """Decode oracle. q: [seqs, q_heads, d] → [seqs, q_heads, d]."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     query_start_loc = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     return ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale=scale)
 
@@ -49,24 +43,29 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
 
     Sequence i owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, the last
     positions of its ``context_lens[i]`` tokens. Rows owned by no sequence are 0.
+    Each sequence's blocks are gathered into a contiguous cache, its queries
+    padded to the longest, and everything attended in one dense einsum.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    starts = np.asarray(query_start_loc)
-    lens = np.asarray(context_lens)
-    tables = np.asarray(block_tables)
-    out = jnp.zeros_like(q)
-    for i in range(len(lens)):
-        q_len = int(starts[i + 1] - starts[i])
-        if q_len == 0:
-            continue
-        k = _gather_sequence(k_cache, tables[i])
-        v = _gather_sequence(v_cache, tables[i])
-        q_pos = lens[i] - q_len + np.arange(q_len)
-        k_pos = np.arange(k.shape[1])
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < lens[i])
-        rows = q[starts[i] : starts[i + 1]]
-        out = out.at[starts[i] : starts[i + 1]].set(_attend(rows, k, v, jnp.asarray(mask), scale))
-    return out
+    starts, lens = np.asarray(query_start_loc), np.asarray(context_lens)
+    query_lens = np.diff(starts)
+    kv_heads, _, block_size, head_dim = k_cache.shape
+    max_q = max(int(query_lens.max(initial=0)), 1)
+    row = np.minimum(starts[:-1, None] + np.arange(max_q), q.shape[0] - 1)  # [seqs, max_q]
+    q_pos = lens[:, None] - query_lens[:, None] + np.arange(max_q)
+    k_pos = np.arange(block_tables.shape[1] * block_size)
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < lens[:, None, None])
+    mask &= (np.arange(max_q) < query_lens[:, None])[:, :, None]
+
+    def contiguous(cache):  # [seqs, kv_heads, max_blocks * block_size, d]
+        return cache[:, block_tables].transpose(1, 0, 2, 3, 4).reshape(len(lens), kv_heads, -1, head_dim)
+
+    out = _attend(q[row], contiguous(k_cache), contiguous(v_cache), jnp.asarray(mask), scale)
+    owner = np.searchsorted(starts, np.arange(q.shape[0]), side="right") - 1
+    owned = np.arange(q.shape[0]) < starts[-1]
+    index = np.where(owned, np.arange(q.shape[0]) - starts[np.clip(owner, 0, len(lens) - 1)], 0)
+    result = out[np.clip(owner, 0, len(lens) - 1), index]
+    return jnp.where(owned[:, None, None], result, 0).astype(q.dtype)
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):

@@ -1,0 +1,147 @@
+"""Paged attention kernels vs dense attention on a contiguous cache doing the same work.
+
+    python -m benchmarks.kernels [--quick]
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, block
+size 16). Decode: every sequence has the same context length, so the dense
+version wastes nothing. Prefill: a batch of whole prompts of one length.
+Columns: the Pallas kernel (interpret mode on this CPU) reading blocks in a
+random order through block tables; the same work as dense XLA attention on a
+contiguous ``[seqs, kv_heads, context, d]`` cache; and the XLA gather
+formulation (gather the blocks, then attend). The paper's bar: paging costs
+at most 1.25x the contiguous version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_paged
+from pallas_paged import xla
+from benchmarks.timing import print_table, save_figure, save_text, time_interleaved
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+SCALE = HEAD_DIM**-0.5
+
+
+@jax.jit
+def dense_decode(q, k, v, context_lens):
+    """q: [seqs, q_heads, d]; k, v: [seqs, kv_heads, ctx, d] contiguous → [seqs, q_heads, d]."""
+    seqs, _, ctx, _ = k.shape
+    qg = q.reshape(seqs, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
+    scores = jnp.einsum("shgd,shkd->shgk", qg, k.astype(jnp.float32))
+    valid = jnp.arange(ctx)[None, None, None, :] < context_lens[:, None, None, None]
+    weights = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("shgk,shkd->shgd", weights, v.astype(jnp.float32))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+@jax.jit
+def dense_prefill(q, k, v):
+    """Causal attention. q: [seqs, len, q_heads, d]; k, v: [seqs, kv_heads, len, d] → like q."""
+    seqs, length, _, _ = q.shape
+    qg = q.reshape(seqs, length, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k.astype(jnp.float32))
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("shgqk,shkd->sqhgd", weights, v.astype(jnp.float32))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def paged_inputs(seqs, context, dtype, rng):
+    """Random contiguous K/V for ``seqs`` sequences and the same data scattered over shuffled blocks."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = seqs * blocks_per_seq
+    contiguous = rng.standard_normal((2, seqs, KV_HEADS, blocks_per_seq * BLOCK_SIZE, HEAD_DIM)).astype(np.float32)
+    tables = rng.permutation(num_blocks).reshape(seqs, blocks_per_seq).astype(np.int32)
+    paged = np.empty((2, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM), np.float32)
+    blocked = contiguous.reshape(2, seqs, KV_HEADS, blocks_per_seq, BLOCK_SIZE, HEAD_DIM)
+    paged[:, :, tables] = blocked.transpose(0, 2, 1, 3, 4, 5)
+    as_jax = functools.partial(jnp.asarray, dtype=dtype)
+    return as_jax(contiguous[0]), as_jax(contiguous[1]), as_jax(paged[0]), as_jax(paged[1]), jnp.asarray(tables)
+
+
+def bench_decode(seqs, context, dtype, rng):
+    k, v, k_cache, v_cache, tables = paged_inputs(seqs, context, dtype, rng)
+    q = jnp.asarray(rng.standard_normal((seqs, Q_HEADS, HEAD_DIM)), dtype)
+    lens = jnp.full((seqs,), context, jnp.int32)
+    paged = jax.jit(pallas_paged.paged_attention)
+    gather = jax.jit(functools.partial(xla.paged_attention, scale=SCALE))
+    reference = dense_decode(q, k, v, lens)
+    np.testing.assert_allclose(np.asarray(paged(q, k_cache, v_cache, tables, lens), np.float32),
+                               np.asarray(reference, np.float32), atol=3e-2)
+    return time_interleaved({
+        "paged": lambda: paged(q, k_cache, v_cache, tables, lens),
+        "dense": lambda: dense_decode(q, k, v, lens),
+        "gather": lambda: gather(q, k_cache, v_cache, tables, lens),
+    })
+
+
+def bench_prefill(seqs, length, dtype, rng):
+    k, v, k_cache, v_cache, tables = paged_inputs(seqs, length, dtype, rng)
+    q = jnp.asarray(rng.standard_normal((seqs, length, Q_HEADS, HEAD_DIM)), dtype)
+    flat_q = q.reshape(seqs * length, Q_HEADS, HEAD_DIM)
+    lens = jnp.full((seqs,), length, jnp.int32)
+    starts = jnp.arange(seqs + 1, dtype=jnp.int32) * length
+    paged = jax.jit(pallas_paged.ragged_paged_attention)
+    gather = jax.jit(functools.partial(xla.ragged_paged_attention, scale=SCALE))
+    reference = dense_prefill(q, k, v).reshape(flat_q.shape)
+    np.testing.assert_allclose(np.asarray(paged(flat_q, k_cache, v_cache, tables, lens, starts), np.float32),
+                               np.asarray(reference, np.float32), atol=3e-2)
+    return time_interleaved({
+        "paged": lambda: paged(flat_q, k_cache, v_cache, tables, lens, starts),
+        "dense": lambda: dense_prefill(q, k, v),
+        "gather": lambda: gather(flat_q, k_cache, v_cache, tables, lens, starts),
+    })
+
+
+def run(cases, bench, title, rng):
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for seqs, context in cases:
+            t = bench(seqs, context, dtype, rng)
+            rows.append([jnp.dtype(dtype).name, seqs, context, t["paged"] * 1e3, t["dense"] * 1e3,
+                         t["gather"] * 1e3, t["paged"] / t["dense"]])
+    print(f"\n{title}")
+    headers = ["dtype", "seqs", "context", "paged ms", "dense contiguous ms", "XLA gather ms", "paged / dense"]
+    return rows, print_table(headers, rows)
+
+
+def plot(decode_rows, prefill_rows):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, rows, title in [(axes[0], decode_rows, "decode"), (axes[1], prefill_rows, "prefill")]:
+        labels = [f"{r[0][:4]} {r[1]}x{r[2]}" for r in rows]
+        ax.bar(labels, [r[6] for r in rows])
+        ax.axhline(1.25, color="red", linestyle="--", label="1.25x (paper's bound)")
+        ax.set_ylabel("paged / dense contiguous time")
+        ax.set_title(f"{title}: paged attention overhead")
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+        ax.legend()
+    return save_figure(fig, "kernels")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few small cases only")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    if args.quick:
+        decode_cases, prefill_cases = [(8, 512)], [(2, 256)]
+    else:
+        decode_cases = [(b, c) for b in (1, 8, 32, 64) for c in (128, 512, 2048)]
+        prefill_cases = [(1, 128), (8, 128), (1, 512), (4, 512), (1, 2048), (2, 2048)]
+    decode_rows, decode_table = run(decode_cases, bench_decode, "Decode (one token per sequence), ms per call", rng)
+    prefill_rows, prefill_table = run(prefill_cases, bench_prefill, "Prefill (whole prompts, causal), ms per call", rng)
+    save_text(f"Decode\n\n{decode_table}\n\nPrefill\n\n{prefill_table}", "kernels")
+    print(f"\nwrote {plot(decode_rows, prefill_rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Random paged KV caches for kernel tests: shuffled block tables, NaN everywhere unreferenced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """Inputs of one ragged attention call; see ``make``."""
+
+    q: jnp.ndarray  # [tokens, q_heads, d]
+    k_cache: jnp.ndarray  # [kv_heads, blocks, block_size, d]
+    v_cache: jnp.ndarray
+    block_tables: jnp.ndarray  # int32[seqs, max_blocks]
+    context_lens: jnp.ndarray  # int32[seqs]
+    query_start_loc: jnp.ndarray  # int32[seqs + 1]
+
+    @property
+    def decode_args(self):
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens
+
+    @property
+    def ragged_args(self):
+        return (*self.decode_args, self.query_start_loc)
+
+
+def make(seqs, *, q_heads, kv_heads, head_dim, block_size, dtype=jnp.float32, padding_tokens=0, seed=0):
+    """Build a scenario for ``seqs``, a list of (context_len, query_len).
+
+    Blocks are drawn in random order from a pool with spare blocks; every
+    block no sequence references, and every slot past a context, is NaN, and
+    unused block-table entries point at NaN blocks, so any stray read shows.
+    """
+    rng = np.random.default_rng(seed)
+    needed = [-(-ctx // block_size) for ctx, _ in seqs]
+    max_blocks = max(max(needed), 1) + 1
+    num_blocks = sum(needed) + 3
+    order = rng.permutation(num_blocks)
+    spare = order[sum(needed):]
+    tables = rng.choice(spare, size=(len(seqs), max_blocks)).astype(np.int32)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    k_cache = np.full(shape, np.nan, np.float32)
+    v_cache = np.full(shape, np.nan, np.float32)
+    used = 0
+    for i, (ctx, _) in enumerate(seqs):
+        blocks = order[used : used + needed[i]]
+        used += needed[i]
+        tables[i, : len(blocks)] = blocks
+        for j, block in enumerate(blocks):
+            filled = min(block_size, ctx - j * block_size)
+            k_cache[:, block, :filled] = rng.standard_normal((kv_heads, filled, head_dim))
+            v_cache[:, block, :filled] = rng.standard_normal((kv_heads, filled, head_dim))
+    query_lens = [q_len for _, q_len in seqs]
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(starts[-1]) + padding_tokens, q_heads, head_dim)).astype(np.float32)
+    return Scenario(
+        q=jnp.asarray(q, dtype),
+        k_cache=jnp.asarray(k_cache, dtype),
+        v_cache=jnp.asarray(v_cache, dtype),
+        block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray([ctx for ctx, _ in seqs], jnp.int32),
+        query_start_loc=jnp.asarray(starts),
+    )
+
+
+def decode_seqs(context_lens):
+    """One query token per sequence."""
+    return [(ctx, 1) for ctx in context_lens]

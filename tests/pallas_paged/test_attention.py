@@ -1,0 +1,122 @@
+"""Paged attention kernels against the dense oracle (interpret mode on CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged
+from pallas_paged import decode_tpu, reference, xla
+
+from tests.pallas_paged.scenarios import decode_seqs, make
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, math in f32, output rounded
+
+HEADS = [  # (q_heads, kv_heads)
+    pytest.param((8, 8), id="mha"),
+    pytest.param((9, 3), id="gqa9-3"),
+    pytest.param((32, 8), id="gqa32-8"),
+]
+
+
+def assert_close(actual, expected, dtype):
+    actual = np.asarray(actual.astype(jnp.float32))
+    expected = np.asarray(expected.astype(jnp.float32))
+    assert np.isfinite(actual).all(), "kernel output has NaN/inf: it read a block it should not have"
+    np.testing.assert_allclose(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_oracle(heads, head_dim, block_size):
+    q_heads, kv_heads = heads
+    contexts = [1, block_size, 3 * block_size, 5 * block_size + 1, 1037, 77]
+    s = make(decode_seqs(contexts), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+             block_size=block_size, seed=block_size + head_dim)
+    actual = jax.jit(pallas_paged.paged_attention)(*s.decode_args)
+    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.float32)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_ragged_matches_oracle(heads, block_size):
+    """Whole prompts, a chunk after a cached prefix, decodes and padding in one call."""
+    q_heads, kv_heads = heads
+    seqs = [
+        (1, 1),  # a one-token prompt
+        (45, 45),  # a whole prompt, not a multiple of the block size
+        (4 * block_size, 4 * block_size),  # a whole prompt, exactly a multiple
+        (1100, 60),  # a chunk after a long cached prefix
+        (3 * block_size + 5, 1),  # a decode
+        (2 * block_size, 0),  # a sequence with nothing to compute this step
+        (250, 17),  # a chunk straddling blocks
+    ]
+    s = make(seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, block_size=block_size,
+             padding_tokens=5, seed=block_size)
+    actual = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
+    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.float32)
+    assert not np.asarray(actual[-5:]).any(), "padding rows must come out as zeros"
+
+
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+def test_bfloat16(op):
+    seqs = decode_seqs([1, 16, 500]) if op == "decode" else [(300, 300), (700, 20), (33, 1)]
+    s = make(seqs, q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    kernel, oracle = {
+        "decode": (pallas_paged.paged_attention, reference.paged_attention),
+        "ragged": (pallas_paged.ragged_paged_attention, reference.ragged_paged_attention),
+    }[op]
+    args = s.decode_args if op == "decode" else s.ragged_args
+    actual = jax.jit(kernel)(*args)
+    assert actual.dtype == jnp.bfloat16
+    assert_close(actual, oracle(*args), jnp.bfloat16)
+
+
+def test_decode_padding_rows_are_zero():
+    s = make(decode_seqs([40, 9]), q_heads=4, kv_heads=2, head_dim=64, block_size=16)
+    context_lens = s.context_lens.at[1].set(0)
+    out = jax.jit(pallas_paged.paged_attention)(s.q, s.k_cache, s.v_cache, s.block_tables, context_lens)
+    assert not np.asarray(out[1]).any()
+    assert_close(out[:1], reference.paged_attention(*s.decode_args)[:1], jnp.float32)
+
+
+def test_ragged_with_one_token_per_sequence_equals_decode():
+    s = make(decode_seqs([5, 64, 300]), q_heads=9, kv_heads=3, head_dim=64, block_size=16)
+    decode_out = jax.jit(pallas_paged.paged_attention)(*s.decode_args)
+    ragged_out = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
+    np.testing.assert_allclose(np.asarray(decode_out), np.asarray(ragged_out), atol=1e-6)
+
+
+def test_custom_scale():
+    s = make(decode_seqs([50]), q_heads=2, kv_heads=1, head_dim=64, block_size=8)
+    actual = pallas_paged.paged_attention(*s.decode_args, scale=0.3)
+    assert_close(actual, reference.paged_attention(*s.decode_args, scale=0.3), jnp.float32)
+
+
+def test_rejects_mismatched_heads():
+    s = make(decode_seqs([5]), q_heads=4, kv_heads=4, head_dim=64, block_size=8)
+    with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
+        pallas_paged.paged_attention(s.q, s.k_cache[:3], s.v_cache[:3], s.block_tables, s.context_lens)
+
+
+def test_xla_formulation_matches_oracle():
+    s = make([(300, 300), (1037, 3), (17, 1)], q_heads=9, kv_heads=3, head_dim=64, block_size=16, padding_tokens=2)
+    ragged = jax.jit(functools.partial(xla.ragged_paged_attention, scale=64**-0.5, tokens_per_tile=64))
+    assert_close(ragged(*s.ragged_args), reference.ragged_paged_attention(*s.ragged_args), jnp.float32)
+    d = make(decode_seqs([1, 1037, 16]), q_heads=9, kv_heads=3, head_dim=64, block_size=16)
+    decode = jax.jit(functools.partial(xla.paged_attention, scale=64**-0.5))
+    assert_close(decode(*d.decode_args), reference.paged_attention(*d.decode_args), jnp.float32)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (4, 2)], ids=["mha", "gqa"])
+def test_tpu_decode_kernel_in_interpret_mode(heads):
+    """The Mosaic kernel's logic, run by the Pallas interpreter (slow: tiny shapes only)."""
+    q_heads, kv_heads = heads
+    s = make(decode_seqs([1, 16, 40]), q_heads=q_heads, kv_heads=kv_heads, head_dim=128, block_size=8)
+    actual = decode_tpu.paged_attention(*s.decode_args, scale=128**-0.5, interpret=True)
+    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.float32)

@@ -1,0 +1,74 @@
+"""The kernels lower for accelerators this machine does not have.
+
+Exporting for ``cuda`` runs the Triton lowering of the Pallas kernels and
+for ``tpu`` the Mosaic lowering, under an abstract mesh of the target
+device; a broken kernel fails here, not on someone's GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+import pallas_paged
+
+TRITON = "__gpu$xla.gpu.triton"
+TARGETS = {
+    "cuda": ("NVIDIA H100 80GB HBM3", "gpu", 132, TRITON),
+    "tpu": ("TPU v5 lite", "tpu", 1, "tpu_custom_call"),
+}
+SHAPES = [  # q_heads, kv_heads, head_dim, block_size, dtype
+    pytest.param(9, 3, 64, 16, jnp.float32, id="smollm2-f32"),
+    pytest.param(32, 8, 128, 8, jnp.bfloat16, id="gqa32-8-bf16"),
+    pytest.param(8, 8, 128, 32, jnp.float32, id="mha-f32"),
+]
+
+
+def export(fn, args, platform):
+    kind, abstract_platform, cores, _ = TARGETS[platform]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                        abstract_device=AbstractDevice(device_kind=kind, num_cores=cores, platform=abstract_platform))
+    with use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(fn), platforms=(platform,),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)],
+        )(*args)
+    exported.serialize()  # needs flatbuffers; proves the artifact is complete
+    return exported.mlir_module()
+
+
+def attention_args(q_heads, kv_heads, head_dim, block_size, dtype, *, tokens):
+    seqs, blocks, max_blocks = 4, 64, 8
+    cache = jax.ShapeDtypeStruct((kv_heads, blocks, block_size, head_dim), dtype)
+    return [
+        jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype), cache, cache,
+        jax.ShapeDtypeStruct((seqs, max_blocks), jnp.int32), jax.ShapeDtypeStruct((seqs,), jnp.int32),
+    ]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
+def test_decode_lowers_to_a_kernel(platform, q_heads, kv_heads, head_dim, block_size, dtype):
+    args = attention_args(q_heads, kv_heads, head_dim, block_size, dtype, tokens=4)
+    assert TARGETS[platform][3] in export(pallas_paged.paged_attention, args, platform)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
+def test_ragged_lowers_to_a_triton_kernel(q_heads, kv_heads, head_dim, block_size, dtype):
+    args = attention_args(q_heads, kv_heads, head_dim, block_size, dtype, tokens=40)
+    args.append(jax.ShapeDtypeStruct((5,), jnp.int32))
+    assert TRITON in export(pallas_paged.ragged_paged_attention, args, "cuda")
+
+
+def test_ragged_on_tpu_exports_the_xla_formulation():
+    args = attention_args(8, 8, 128, 16, jnp.bfloat16, tokens=40) + [jax.ShapeDtypeStruct((5,), jnp.int32)]
+    module = export(pallas_paged.ragged_paged_attention, args, "tpu")
+    assert "tpu_custom_call" not in module and "gather" in module
+
+
+def test_cpu_runs_the_interpreted_kernel_not_the_accelerator_ones():
+    args = attention_args(9, 3, 64, 16, jnp.float32, tokens=4)
+    module = jax.jit(pallas_paged.paged_attention).lower(*args).as_text()
+    assert TRITON not in module and "tpu_custom_call" not in module
