@@ -33,8 +33,7 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_re
         read = functools.partial(load_blocks, heads=heads, block_tables_ref=block_tables_ref, seq=seq,
                                  first=i * blocks_per_step, count=blocks_per_step, one_by_one=one_by_one)
         k, v = read(k_ref), read(v_ref)
-        key_valid = i * keys_per_step + jnp.arange(keys_per_step) < context_len
-        return softmax.update(state, q, k, v, key_valid)
+        return softmax.update(state, q, k, v, i * keys_per_step, context_len)
 
     num_steps = pl.cdiv(context_len, keys_per_step)
     state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(q))

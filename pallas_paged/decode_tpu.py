@@ -32,9 +32,9 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_re
     @pl.when(block * block_size < context_len)
     def _():
         q = q_ref[...].astype(jnp.float32) * scale
-        key_valid = block * block_size + jnp.arange(block_size) < context_len
         state = (acc_ref[...], max_ref[...], sum_ref[...])
-        acc_ref[...], max_ref[...], sum_ref[...] = softmax.update(state, q, k_ref[...], v_ref[...], key_valid)
+        acc_ref[...], max_ref[...], sum_ref[...] = softmax.update(
+            state, q, k_ref[...], v_ref[...], block * block_size, context_len)
 
     @pl.when(block == pl.num_programs(2) - 1)
     def _():
@@ -65,8 +65,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, i
             in_specs=[q_spec, kv_spec, kv_spec],
             out_specs=q_spec,
             scratch_shapes=[pltpu.VMEM((group, head_dim), jnp.float32),
-                            pltpu.VMEM((group,), jnp.float32),
-                            pltpu.VMEM((group,), jnp.float32)],
+                            pltpu.VMEM((group, 1), jnp.float32),
+                            pltpu.VMEM((group, 1), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((seqs, kv_heads, group, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),

@@ -33,15 +33,13 @@ def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, block_tables_ref,
     last_pos = first_pos + tile_len_ref[tile] - 1
     keys_per_step = k_ref.shape[2] * blocks_per_step
     q = q_ref[...].astype(jnp.float32) * scale
-    row_pos = first_pos + jnp.arange(q.shape[-2]) // group_rows
+    query_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (q.shape[-2], 1), 0) // group_rows
 
     def step(i, state):
         read = functools.partial(load_blocks, heads=heads, block_tables_ref=block_tables_ref, seq=seq,
                                  first=i * blocks_per_step, count=blocks_per_step, one_by_one=one_by_one)
         k, v = read(k_ref), read(v_ref)
-        key_pos = i * keys_per_step + jnp.arange(keys_per_step)
-        causal = key_pos[None, :] <= row_pos[:, None]
-        return softmax.update(state, q, k, v, key_pos < context_len, causal)
+        return softmax.update(state, q, k, v, i * keys_per_step, context_len, query_pos)
 
     num_steps = jnp.where(tile_len_ref[tile] > 0, pl.cdiv(last_pos + 1, keys_per_step), 0)
     state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(q))

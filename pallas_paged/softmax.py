@@ -1,12 +1,14 @@
 """Online softmax over KV tiles, shared by the attention kernels.
 
-Works on 2-D tiles (Triton: ``q[rows, d]``, ``k[keys, d]``) and on tiles
-with a leading head axis (interpret mode: ``q[heads, rows, d]``).
-Everything is float32.
+Works on 2-D tiles (Triton and Mosaic: ``q[rows, d]``, ``k[keys, d]``) and on
+tiles with a leading head axis (interpret mode: ``q[heads, rows, d]``).
+Everything is float32, and every intermediate is at least 2-D with row
+statistics kept as ``[..., rows, 1]``: Mosaic cannot reshape 1-D masks.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,48 +19,53 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 def _scores(q, k):
     """q: [..., rows, d], k: [..., keys, d] → [..., rows, keys]."""
     if q.ndim == 2:
-        return jnp.dot(q, k.T)
+        return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return jnp.einsum("hrd,hkd->hrk", q, k)
 
 
 def _weighted_sum(p, v):
     """p: [..., rows, keys], v: [..., keys, d] → [..., rows, d]."""
     if p.ndim == 2:
-        return jnp.dot(p, v)
+        return jnp.dot(p, v, preferred_element_type=jnp.float32)
     return jnp.einsum("hrk,hkd->hrd", p, v)
 
 
 def initial_state(q):
     """Empty accumulators for query tile ``q[..., rows, d]``: (acc, row max, row sum)."""
-    rows_shape = q.shape[:-1]
+    stats_shape = q.shape[:-1] + (1,)
     return (
         jnp.zeros(q.shape, jnp.float32),
-        jnp.full(rows_shape, -jnp.inf, jnp.float32),
-        jnp.zeros(rows_shape, jnp.float32),
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
     )
 
 
-def update(state, q, k, v, key_valid, causal=None):
-    """Fold one KV tile into the running softmax.
+def update(state, q, k, v, first_key, context_len, query_pos=None):
+    """Fold one KV tile, holding positions ``first_key + [0, keys)``, into the running softmax.
 
-    q: [..., rows, d] float32, already scaled; k, v: [..., keys, d];
-    key_valid: bool[keys], False for slots past the context (their block may
-    be stale or unreferenced, so they are zeroed in ``v`` before use);
-    causal: optional bool[rows, keys], True where the row's query may see the key.
+    q: [..., rows, d] float32, already scaled; k, v: [..., keys, d].
+    Slots at or past ``context_len`` are masked, and zeroed in ``v``: their
+    block may be stale or unreferenced. query_pos: optional int32[rows, 1],
+    each row's position, for a causal mask.
     """
     acc, row_max, row_sum = state
-    v = jnp.where(key_valid[:, None], v.astype(jnp.float32), 0.0)
-    visible = key_valid[None, :] if causal is None else causal & key_valid[None, :]
+    keys = k.shape[-2]
+    key_pos = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+    key_pos_col = first_key + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+    v = jnp.where(key_pos_col < context_len, v.astype(jnp.float32), 0.0)
+    visible = key_pos < context_len
+    if query_pos is not None:
+        visible = visible & (key_pos <= query_pos)
     scores = jnp.where(visible, _scores(q, k.astype(jnp.float32)), MASK_VALUE)
-    new_max = jnp.maximum(row_max, scores.max(axis=-1))
-    probs = jnp.exp(scores - new_max[..., None])
+    new_max = jnp.maximum(row_max, scores.max(axis=-1, keepdims=True))
+    probs = jnp.exp(scores - new_max)
     correction = jnp.exp(row_max - new_max)
-    row_sum = row_sum * correction + probs.sum(axis=-1)
-    acc = acc * correction[..., None] + _weighted_sum(probs, v)
+    row_sum = row_sum * correction + probs.sum(axis=-1, keepdims=True)
+    acc = acc * correction + _weighted_sum(probs, v)
     return acc, new_max, row_sum
 
 
 def finish(state):
     """Normalised output [..., rows, d]; rows that saw nothing are 0."""
     acc, _, row_sum = state
-    return acc / jnp.where(row_sum == 0.0, 1.0, row_sum)[..., None]
+    return acc / jnp.where(row_sum == 0.0, 1.0, row_sum)

@@ -30,8 +30,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale):
         k = _gather_blocks(k_cache, table)
         v = _gather_blocks(v_cache, table)
         q_group = q_seq.reshape(kv_heads, group, head_dim).astype(jnp.float32) * scale
-        key_valid = jnp.arange(k.shape[1]) < context_len
-        state = softmax.update(softmax.initial_state(q_group), q_group, k, v, key_valid)
+        state = softmax.update(softmax.initial_state(q_group), q_group, k, v, 0, context_len)
         return softmax.finish(state).reshape(q_heads, head_dim)
 
     return jax.vmap(one)(q, block_tables, context_lens).astype(q.dtype)
@@ -56,11 +55,9 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
         k = _gather_blocks(k_cache, block_tables[seq])
         v = _gather_blocks(v_cache, block_tables[seq])
         first_pos = context_lens[seq] - tiles.query_lens[seq] + start
-        row_pos = first_pos + jnp.arange(q_tile.shape[1]) // group
-        key_pos = jnp.arange(k.shape[1])
+        query_pos = first_pos + jnp.arange(q_tile.shape[1])[:, None] // group
         q_tile = q_tile.astype(jnp.float32) * scale
-        causal = key_pos[None, :] <= row_pos[:, None]
-        state = softmax.update(softmax.initial_state(q_tile), q_tile, k, v, key_pos < context_lens[seq], causal)
+        state = softmax.update(softmax.initial_state(q_tile), q_tile, k, v, 0, context_lens[seq], query_pos)
         return softmax.finish(state).astype(q.dtype)
 
     out = jax.lax.map(one, (q_tiles, tiles.seq, tiles.start))

@@ -1,0 +1,68 @@
+"""Full ahead-of-time compilation for real accelerators, without them (``make test-accel``).
+
+Needs the ``tpu`` and ``cuda`` extras (libtpu and the CUDA plugin), so it is
+not part of the default suite. Unlike the lowering tests, this runs the
+Mosaic and Triton compilers themselves, which catch resource limits (VMEM,
+shared memory) and unsupported vector shapes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import topologies
+
+import pallas_paged
+
+pytestmark = pytest.mark.accel
+
+SHAPES = [  # q_heads, kv_heads, head_dim, block_size, dtype
+    pytest.param(9, 3, 64, 16, jnp.float32, id="smollm2-f32"),
+    pytest.param(32, 8, 128, 16, jnp.bfloat16, id="llama8b-bf16"),
+    pytest.param(8, 8, 128, 32, jnp.float32, id="mha-f32"),
+]
+
+
+def tpu_devices():
+    pytest.importorskip("libtpu", reason="needs the tpu extra: pip install -e '.[tpu]'")
+    return topologies.get_topology_desc("v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)).devices
+
+
+def gpu_devices():
+    """A compile-only H100, described by ``data/h100.txtpb`` (the CUDA plugin needs no GPU for this)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="needs the cuda extra: pip install -e '.[cuda]'")
+    target_config = (pathlib.Path(__file__).parent / "data" / "h100.txtpb").read_text()
+    return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config).devices
+
+
+def compile_for(devices, fn, q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, ragged):
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def spec(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
+
+    seqs, blocks, max_blocks = 8, 256, 32
+    cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
+    args = [spec((tokens, q_heads, head_dim), dtype), cache, cache, spec((seqs, max_blocks), jnp.int32),
+            spec((seqs,), jnp.int32)]
+    if ragged:
+        args.append(spec((seqs + 1,), jnp.int32))
+    return jax.jit(fn).lower(*args).compile()
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
+def test_tpu_decode_compiles_for_v5e(q_heads, kv_heads, head_dim, block_size, dtype):
+    compile_for(tpu_devices(), pallas_paged.paged_attention, q_heads, kv_heads, head_dim, block_size, dtype,
+                tokens=8, ragged=False)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
+@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
+def test_gpu_kernels_compile_for_h100(q_heads, kv_heads, head_dim, block_size, dtype, ragged):
+    fn = pallas_paged.ragged_paged_attention if ragged else pallas_paged.paged_attention
+    compile_for(gpu_devices(), fn, q_heads, kv_heads, head_dim, block_size, dtype, tokens=64 if ragged else 8,
+                ragged=ragged)
