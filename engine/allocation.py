@@ -1,0 +1,98 @@
+"""How an admitted group's blocks are laid out: sharing, prefix-cache hits and reservations.
+
+Reservation policies reproduce the paper's baselines inside this one engine: `paged` allocates
+on demand; `orca-max`, `orca-pow2` and `orca-oracle` also reserve, at admission, the blocks for
+max_model_len slots, for the prompt plus the next power of two of the true output length, or
+for exactly the prompt plus the true output length. Reserved blocks count as used and feed the
+sequence's later appends; a sequence that outgrows its reservation allocates on demand, and a
+forked child or a swapped-in sequence has no reservation. Blocks are not physically contiguous:
+the baselines' cost shows up as reserved-but-empty slots (`BlockManagerStats.kv_waste`).
+"""
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from engine import prefix_cache
+from engine.block_pool import blocks_for
+from engine.prefix_cache import PrefixCache
+from engine.sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManagerConfig
+
+RESERVATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def reserved_len(config: "BlockManagerConfig", group: SequenceGroup) -> int:
+    """Slots per sequence the reservation policy holds from admission (0 for `paged`)."""
+    if config.reservation == "paged":
+        return 0
+    if config.reservation == "orca-max":
+        return config.max_model_len
+    assert group.expected_output_len is not None, "orca-pow2/oracle need expected_output_len"
+    output_len = group.expected_output_len
+    if config.reservation == "orca-pow2":
+        output_len = _next_power_of_two(output_len)
+    return min(config.max_model_len, group.prompt_len + output_len)
+
+
+def _common_prefix_len(seqs: tuple[Sequence, ...]) -> int:
+    first = seqs[0].token_ids
+    length = min(seq.len for seq in seqs)
+    for seq in seqs[1:]:
+        length = next(
+            (i for i, (a, b) in enumerate(zip(first[:length], seq.token_ids)) if a != b), length
+        )
+    return length
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationPlan:
+    """How `allocate` lays out a group: shared leading blocks (some found in the prefix cache),
+    then private blocks and reserved blocks per sequence. `num_queried` blocks were looked up."""
+
+    num_shared: int
+    hits: tuple[prefix_cache.CachedBlock, ...]
+    num_queried: int
+    num_private: tuple[int, ...]
+    num_reserved: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks the group holds once admitted, prefix-cache hits included."""
+        return self.num_shared + sum(self.num_private) + sum(self.num_reserved)
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Blocks taken from the pool (hits excluded)."""
+        return self.num_blocks - len(self.hits)
+
+
+def plan_allocation(
+    config: "BlockManagerConfig", cache: PrefixCache, group: SequenceGroup
+) -> AllocationPlan:
+    """Sequences with identical tokens share every block; sequences that differ (a recomputed
+    group with diverged outputs) share the full blocks of their common prefix."""
+    seqs = group.unfinished_seqs
+    size = config.block_size
+    if all(seq.token_ids == seqs[0].token_ids for seq in seqs):
+        num_shared, num_shared_full = blocks_for(seqs[0].len, size), seqs[0].len // size
+    else:
+        num_shared = num_shared_full = _common_prefix_len(seqs) // size
+    num_queried = 0
+    hits: tuple = ()
+    if config.enable_prefix_caching:
+        num_queried = min(num_shared_full, (min(seq.len for seq in seqs) - 1) // size)
+        hits = prefix_cache.lookup(cache, seqs[0].token_ids, num_queried, size)
+    reserve_blocks = blocks_for(reserved_len(config, group), size)
+    return AllocationPlan(
+        num_shared=num_shared,
+        hits=hits,
+        num_queried=num_queried,
+        num_private=tuple(blocks_for(seq.len, size) - num_shared for seq in seqs),
+        num_reserved=tuple(max(0, reserve_blocks - blocks_for(seq.len, size)) for seq in seqs),
+    )

@@ -1,0 +1,393 @@
+"""Paged KV memory: refcounted physical blocks on device and host, and one block table per sequence.
+
+A sequence's KV lives in fixed-size blocks; its block table maps logical block i (tokens
+i*block_size .. (i+1)*block_size-1) to a physical block. Blocks are shared by reference counting:
+the sequences of a request share their prompt's blocks, a fork shares all of the parent's
+blocks, and the prefix cache shares full blocks across requests. A block that will receive a
+token is made private first (copy-on-write), so shared KV is never overwritten.
+
+Every function is pure: it takes a `BlockManagerState` and returns a new one, plus the block
+operations the cache engine must carry out (copy pairs, swap mappings). Callers check first
+(`can_allocate`, `can_append_slots`, `can_swap_out`, `can_swap_in`); the operations assert.
+Reservation policies and the layout of an admitted group: `engine.allocation`.
+"""
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+
+from engine import block_pool, prefix_cache
+from engine.allocation import RESERVATIONS, plan_allocation
+from engine.block_pool import BlockPool, blocks_for, empty_pool
+from engine.block_stats import BlockManagerStats, stats  # noqa: F401 (part of this interface)
+from engine.prefix_cache import PrefixCache, assoc, dissoc, frozen_map
+from engine.sequence import Sequence, SequenceGroup
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message says which and what is allowed."""
+
+
+class AllocStatus(enum.Enum):
+    """Whether a request fits: now, after some blocks are freed, or never (too big for the pool)."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockManagerConfig:
+    """Pool sizes and policies; `watermark`: fraction of device blocks admissions leave free."""
+
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+    watermark: float = 0.01
+    enable_prefix_caching: bool = False
+    reservation: str = "paged"
+
+    def __post_init__(self):
+        for name in ("block_size", "num_device_blocks", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_host_blocks < 0:
+            raise ConfigError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.reservation not in RESERVATIONS:
+            raise ConfigError(
+                f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}"
+            )
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Device blocks that admissions and swap-ins leave free."""
+        return int(self.watermark * self.num_device_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqBlocks:
+    """The blocks one sequence holds.
+
+    `reserved` are blocks held for its future tokens (orca reservation policies).
+    `cache_entry_ids` name, in the prefix cache, the contents of its leading computed full
+    blocks.
+    """
+
+    block_table: tuple[int, ...]
+    on_device: bool
+    reserved: tuple[int, ...] = ()
+    cache_entry_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockManagerState:
+    """Both pools, every sequence's blocks (by seq_id) and the prefix cache."""
+
+    config: BlockManagerConfig
+    device: BlockPool
+    host: BlockPool
+    seqs: Mapping[int, SeqBlocks]
+    prefix_cache: PrefixCache
+
+
+def initial_state(config: BlockManagerConfig) -> BlockManagerState:
+    """All blocks free, no sequences, an empty prefix cache."""
+    return BlockManagerState(
+        config=config,
+        device=empty_pool(config.num_device_blocks),
+        host=empty_pool(config.num_host_blocks),
+        seqs=frozen_map(),
+        prefix_cache=PrefixCache(),
+    )
+
+
+def block_table(state: BlockManagerState, seq_id: int) -> tuple[int, ...]:
+    """The physical blocks of `seq_id`, in logical order (in the pool it currently lives in)."""
+    return state.seqs[seq_id].block_table
+
+
+def num_free_device_blocks(state: BlockManagerState) -> int:
+    """Device blocks available to allocate: the free list plus evictable prefix-cache blocks."""
+    return block_pool.num_available(state.device, state.prefix_cache)
+
+
+def _take_device(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+    device, cache, blocks = block_pool.take_device(state.device, state.prefix_cache, num_blocks)
+    return dataclasses.replace(state, device=device, prefix_cache=cache), blocks
+
+
+def _take_host(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+    host, blocks = block_pool.take(state.host, num_blocks)
+    return dataclasses.replace(state, host=host), blocks
+
+
+def _release_device(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+    device, cache = block_pool.release_device(state.device, state.prefix_cache, blocks)
+    return dataclasses.replace(state, device=device, prefix_cache=cache)
+
+
+def _release_host(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+    return dataclasses.replace(state, host=block_pool.release(state.host, blocks))
+
+
+def _add_device_refs(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+    return dataclasses.replace(state, device=block_pool.add_refs(state.device, blocks))
+
+
+def _set_seqs(state: BlockManagerState, entries: Mapping[int, SeqBlocks]) -> BlockManagerState:
+    return dataclasses.replace(state, seqs=assoc(state.seqs, entries))
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+def num_required_blocks(state: BlockManagerState, group: SequenceGroup) -> int:
+    """Device blocks the group occupies once admitted (prefix-cache hits included)."""
+    return plan_allocation(state.config, state.prefix_cache, group).num_blocks
+
+
+def _fits(state: BlockManagerState, num_total: int, num_new: int) -> AllocStatus:
+    config = state.config
+    if config.num_device_blocks - num_total < config.watermark_blocks:
+        return AllocStatus.NEVER
+    if num_free_device_blocks(state) - num_new < config.watermark_blocks:
+        return AllocStatus.LATER
+    return AllocStatus.OK
+
+
+def can_allocate(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
+    """Whether the group's blocks fit now while keeping the watermark free (NEVER: not even
+    in an empty pool)."""
+    plan = plan_allocation(state.config, state.prefix_cache, group)
+    evictable = set(state.prefix_cache.evictable)
+    num_evictable_hits = sum(1 for hit in plan.hits if hit.block in evictable)
+    return _fits(state, plan.num_blocks, plan.num_new_blocks + num_evictable_hits)
+
+
+def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManagerState, int]:
+    """Give every unfinished sequence of `group` a block table covering all its tokens.
+
+    Returns the new state and the number of leading tokens whose KV was found in the prefix
+    cache (already computed; the same for every sequence of the group).
+    """
+    plan = plan_allocation(state.config, state.prefix_cache, group)
+    seqs = group.unfinished_seqs
+    hit_blocks = tuple(hit.block for hit in plan.hits)
+    cache = prefix_cache.acquire(state.prefix_cache, hit_blocks)
+    cache = prefix_cache.count_lookup(cache, plan.num_queried, len(plan.hits))
+    state = dataclasses.replace(state, prefix_cache=cache)
+    state, new_shared = _take_device(state, plan.num_shared - len(hit_blocks))
+    shared = hit_blocks + new_shared
+    entries = {}
+    for seq, num_private, num_reserved in zip(seqs, plan.num_private, plan.num_reserved):
+        state, private = _take_device(state, num_private)
+        state, reserved = _take_device(state, num_reserved)
+        entries[seq.seq_id] = SeqBlocks(
+            block_table=shared + private,
+            on_device=True,
+            reserved=reserved,
+            cache_entry_ids=tuple(hit.entry_id for hit in plan.hits),
+        )
+    held = [b for entry in entries.values() for b in entry.block_table + entry.reserved]
+    state = _add_device_refs(state, held)
+    return _set_seqs(state, entries), len(hit_blocks) * state.config.block_size
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def _append_needs(state: BlockManagerState, seqs: Iterable[Sequence]) -> int:
+    """New device blocks `append_slot` takes from the pool for `seqs`, called in this order: one
+    per full last block, one per copy-on-write (once the other holders of a shared block have
+    copied, the last writes in place), none where a reservation covers it."""
+    size, refcounts = state.config.block_size, state.device.refcounts
+    need, copied = 0, collections.Counter()
+    for seq in seqs:
+        entry = state.seqs[seq.seq_id]
+        last_index = (seq.len - 1) // size
+        assert len(entry.block_table) - 1 <= last_index <= len(entry.block_table)
+        if last_index == len(entry.block_table):
+            need += not entry.reserved
+        elif refcounts[entry.block_table[-1]] - copied[entry.block_table[-1]] > 1:
+            copied[entry.block_table[-1]] += 1
+            need += not entry.reserved
+    return need
+
+
+def can_append_slots(state: BlockManagerState, group: SequenceGroup) -> bool:
+    """Whether every unfinished sequence of `group` can get a writable slot for its last token."""
+    return _append_needs(state, group.unfinished_seqs) <= num_free_device_blocks(state)
+
+
+def _take_one(
+    state: BlockManagerState, entry: SeqBlocks
+) -> tuple[BlockManagerState, SeqBlocks, int]:
+    """A private block for `entry`: from its reservation, else a fresh one (refcount 1)."""
+    if entry.reserved:
+        return state, dataclasses.replace(entry, reserved=entry.reserved[1:]), entry.reserved[0]
+    state, (block,) = _take_device(state, 1)
+    return _add_device_refs(state, [block]), entry, block
+
+
+def append_slot(
+    state: BlockManagerState, seq: Sequence
+) -> tuple[BlockManagerState, tuple[int, int] | None]:
+    """Make room for `seq`'s last token (position seq.len - 1) in a block only `seq` references.
+
+    A new block when the last one is full; copy-on-write when the last block is shared: a
+    private block replaces it in the table and `(src, dst)` is returned for the cache engine to
+    copy before the token is written.
+    """
+    entry = state.seqs[seq.seq_id]
+    assert entry.on_device, f"seq {seq.seq_id} is swapped out"
+    table, copy = entry.block_table, None
+    if (seq.len - 1) // state.config.block_size == len(table):
+        state, entry, block = _take_one(state, entry)
+        table = table + (block,)
+    elif state.device.refcounts[table[-1]] > 1:
+        state, entry, block = _take_one(state, entry)
+        state = _release_device(state, [table[-1]])
+        copy, table = (table[-1], block), table[:-1] + (block,)
+    if table == entry.block_table:
+        return state, None
+    return _set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
+
+
+def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> BlockManagerState:
+    """The child shares all of the parent's blocks (one more reference each)."""
+    parent = state.seqs[parent_seq_id]
+    assert parent.on_device and child_seq_id not in state.seqs
+    child = dataclasses.replace(parent, reserved=())
+    state = _add_device_refs(state, parent.block_table)
+    return _set_seqs(state, {child_seq_id: child})
+
+
+def free(state: BlockManagerState, seq_id: int) -> BlockManagerState:
+    """Release every block `seq_id` holds (no-op for a sequence without blocks)."""
+    entry = state.seqs.get(seq_id)
+    if entry is None:
+        return state
+    blocks = entry.reserved + entry.block_table[::-1]
+    if entry.on_device:
+        state = _release_device(state, blocks)
+    else:
+        state = _release_host(state, blocks)
+    return dataclasses.replace(state, seqs=dissoc(state.seqs, [seq_id]))
+
+
+def num_shared_tokens(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
+    """Leading token positions whose blocks are the same physical blocks for all of `seqs`.
+
+    A prefill writes these once for every sequence (see the scheduler's prefill stages).
+    """
+    tables = [state.seqs[seq.seq_id].block_table for seq in seqs]
+    if all(table == tables[0] for table in tables):
+        return min(seq.len for seq in seqs)
+    num_same = next(
+        (i for i, blocks in enumerate(zip(*tables)) if len(set(blocks)) > 1),
+        min(len(table) for table in tables),
+    )
+    return num_same * state.config.block_size
+
+
+def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockManagerState:
+    """Enter the newly computed full blocks of `seqs` in the prefix cache (when caching is on)."""
+    if not state.config.enable_prefix_caching:
+        return state
+    size, chains, entries = state.config.block_size, [], []
+    for seq in seqs:
+        entry = state.seqs[seq.seq_id]
+        known = len(entry.cache_entry_ids)
+        new = [
+            (prefix_cache.block_tokens(seq.token_ids, index, size), entry.block_table[index])
+            for index in range(known, seq.num_computed_tokens // size)
+        ]
+        if new:
+            chains.append((entry.cache_entry_ids[-1] if known else None, new))
+            entries.append((seq.seq_id, entry))
+    if not chains:
+        return state
+    cache, chain_ids = prefix_cache.insert_chains(state.prefix_cache, chains)
+    updated = {
+        seq_id: dataclasses.replace(entry, cache_entry_ids=entry.cache_entry_ids + tuple(ids))
+        for (seq_id, entry), ids in zip(entries, chain_ids)
+    }
+    return _set_seqs(dataclasses.replace(state, prefix_cache=cache), updated)
+
+
+# --- swapping -------------------------------------------------------------------------------
+
+
+def _distinct_blocks(state: BlockManagerState, group: SequenceGroup) -> tuple[int, ...]:
+    tables = (state.seqs[seq.seq_id].block_table for seq in group.unfinished_seqs)
+    return tuple(dict.fromkeys(block for table in tables for block in table))
+
+
+def can_swap_out(state: BlockManagerState, group: SequenceGroup) -> bool:
+    """Whether the host pool can take all of the group's device blocks."""
+    return len(_distinct_blocks(state, group)) <= len(state.host.free)
+
+
+def num_swap_in_blocks(state: BlockManagerState, group: SequenceGroup) -> int:
+    """Device blocks a swap-in needs: the group's blocks plus one per sequence for its next
+    token."""
+    return len(_distinct_blocks(state, group)) + len(group.unfinished_seqs)
+
+
+def can_swap_in(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
+    """Whether `num_swap_in_blocks` fit on the device above the watermark (NEVER: not even in
+    an empty pool)."""
+    need = num_swap_in_blocks(state, group)
+    return _fits(state, need, need)
+
+
+def _move(
+    state: BlockManagerState, group: SequenceGroup, to_device: bool
+) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
+    """Move all of the group's blocks to the other pool, keeping their sharing."""
+    sources = _distinct_blocks(state, group)
+    take = _take_device if to_device else _take_host
+    state, targets = take(state, len(sources))
+    mapping = dict(zip(sources, targets))
+    old = {seq.seq_id: state.seqs[seq.seq_id] for seq in group.unfinished_seqs}
+    new = {
+        seq_id: dataclasses.replace(
+            entry,
+            block_table=tuple(mapping[b] for b in entry.block_table),
+            on_device=to_device,
+            reserved=(),
+        )
+        for seq_id, entry in old.items()
+    }
+    released = [b for entry in old.values() for b in entry.reserved + entry.block_table[::-1]]
+    held = [b for entry in new.values() for b in entry.block_table]
+    if to_device:
+        state = _release_host(state, released)
+        state = _add_device_refs(state, held)
+    else:
+        state = _release_device(state, released)
+        state = dataclasses.replace(state, host=block_pool.add_refs(state.host, held))
+    return _set_seqs(state, new), tuple(mapping.items())
+
+
+def swap_out(
+    state: BlockManagerState, group: SequenceGroup
+) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
+    """Move the group's blocks to host, all or nothing; returns (device, host) block pairs.
+
+    Reserved blocks are released (they hold no KV). Freed device blocks may be reused in the
+    same step, so the cache engine must copy these pairs out before any other block operation.
+    """
+    assert can_swap_out(state, group)
+    return _move(state, group, to_device=False)
+
+
+def swap_in(
+    state: BlockManagerState, group: SequenceGroup
+) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
+    """Move the group's blocks back to the device; returns (host, device) block pairs."""
+    return _move(state, group, to_device=True)

@@ -1,0 +1,161 @@
+"""Prefix cache: full, computed KV blocks found again by their content.
+
+A cached block is identified by its key `(parent entry id, token ids)`: the entry id of the cached
+block before it (None for the first block of a sequence) and the block's own token ids. The key
+is hashed by the dict, and the dict compares the token ids on a hash match, so a hash collision
+can never return the wrong block. Entry ids are never reused, so a parent id pins the entire
+prefix before the block: a key names exactly one token prefix, which is what the block's KV
+depends on.
+
+Only blocks whose KV has been computed are inserted (the block manager calls `insert_chains`
+from `mark_computed`), so a hit never depends on work scheduled in the same step.
+
+A cached block that no sequence references is *evictable*: it counts as free, keeps its KV for
+future hits, and is reused least-recently-released first once the free list is empty.
+"""
+
+import dataclasses
+import types
+from collections.abc import Iterable, Mapping
+
+Key = tuple[int | None, tuple[int, ...]]
+
+
+def frozen_map(items: Mapping | Iterable[tuple] = ()) -> Mapping:
+    """A read-only mapping (compared by value with `==`) holding a copy of `items`."""
+    return types.MappingProxyType(dict(items))
+
+
+def assoc(mapping: Mapping, updates: Mapping) -> Mapping:
+    """A read-only copy of `mapping` with the keys of `updates` set to its values."""
+    return types.MappingProxyType({**mapping, **updates})
+
+
+def dissoc(mapping: Mapping, keys: Iterable) -> Mapping:
+    """A read-only copy of `mapping` without `keys`."""
+    remaining = dict(mapping)
+    for key in keys:
+        del remaining[key]
+    return types.MappingProxyType(remaining)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedBlock:
+    """One cache entry: physical device block `block` holds the tokens named by `key`."""
+
+    entry_id: int
+    block: int
+    key: Key
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCache:
+    """Cache entries by key and by block, plus the LRU order of the evictable blocks.
+
+    `num_queries` and `num_hits` count blocks looked up at admission and blocks found.
+    """
+
+    by_key: Mapping[Key, CachedBlock] = dataclasses.field(default_factory=frozen_map)
+    by_block: Mapping[int, CachedBlock] = dataclasses.field(default_factory=frozen_map)
+    evictable: tuple[int, ...] = ()
+    next_entry_id: int = 0
+    num_queries: int = 0
+    num_hits: int = 0
+
+
+def block_tokens(token_ids: tuple[int, ...], index: int, block_size: int) -> tuple[int, ...]:
+    """The token ids stored in logical block `index` of a sequence."""
+    return tuple(token_ids[index * block_size : (index + 1) * block_size])
+
+
+def lookup(
+    cache: PrefixCache, token_ids: tuple[int, ...], num_blocks: int, block_size: int
+) -> tuple[CachedBlock, ...]:
+    """The entries caching the leading full blocks of `token_ids`, stopping at the first miss.
+
+    At most `num_blocks` blocks are looked up.
+    """
+    found: list[CachedBlock] = []
+    parent = None
+    for index in range(num_blocks):
+        entry = cache.by_key.get((parent, block_tokens(token_ids, index, block_size)))
+        if entry is None:
+            break
+        found.append(entry)
+        parent = entry.entry_id
+    return tuple(found)
+
+
+def count_lookup(cache: PrefixCache, num_queried: int, num_hit: int) -> PrefixCache:
+    """Record one admission's lookup in the hit statistics."""
+    return dataclasses.replace(
+        cache,
+        num_queries=cache.num_queries + num_queried,
+        num_hits=cache.num_hits + num_hit,
+    )
+
+
+def insert_chains(
+    cache: PrefixCache, chains: Iterable[tuple[int | None, Iterable[tuple[tuple[int, ...], int]]]]
+) -> tuple[PrefixCache, list[list[int]]]:
+    """Cache runs of consecutive full blocks; each chain is (entry id of the block before it, or
+    None, [(token ids, block), ...]).
+
+    Returns the new cache and, per chain, the entry ids that now name its blocks' contents.
+    When a content is cached already (another sequence computed the same prefix into another
+    block), the existing entry is kept, its id returned, and the block stays uncached.
+    """
+    by_key, by_block, next_id = dict(cache.by_key), dict(cache.by_block), cache.next_entry_id
+    chain_ids = []
+    for parent, blocks in chains:
+        ids = []
+        for token_ids, block in blocks:
+            key = (parent, token_ids)
+            if key not in by_key:
+                assert block not in by_block, f"block {block} is cached twice"
+                by_key[key] = by_block[block] = CachedBlock(entry_id=next_id, block=block, key=key)
+                next_id += 1
+            parent = by_key[key].entry_id
+            ids.append(parent)
+        chain_ids.append(ids)
+    cache = dataclasses.replace(
+        cache, by_key=frozen_map(by_key), by_block=frozen_map(by_block), next_entry_id=next_id
+    )
+    return cache, chain_ids
+
+
+def is_cached(cache: PrefixCache, block: int) -> bool:
+    """True when `block` holds a cache entry."""
+    return block in cache.by_block
+
+
+def acquire(cache: PrefixCache, blocks: Iterable[int]) -> PrefixCache:
+    """Take `blocks` off the evictable list: a sequence references them again."""
+    taken = set(blocks)
+    if not taken.intersection(cache.evictable):
+        return cache
+    evictable = tuple(block for block in cache.evictable if block not in taken)
+    return dataclasses.replace(cache, evictable=evictable)
+
+
+def release(cache: PrefixCache, blocks: Iterable[int]) -> PrefixCache:
+    """Make `blocks` (cached, no longer referenced) evictable; the first is evicted first."""
+    blocks = tuple(blocks)
+    assert all(is_cached(cache, block) for block in blocks)
+    return dataclasses.replace(cache, evictable=cache.evictable + blocks)
+
+
+def evict(cache: PrefixCache, num_blocks: int) -> tuple[PrefixCache, tuple[int, ...]]:
+    """Drop the `num_blocks` least recently released evictable entries; return their blocks."""
+    assert num_blocks <= len(cache.evictable), "evicting more blocks than are evictable"
+    if not num_blocks:
+        return cache, ()
+    blocks = cache.evictable[:num_blocks]
+    entries = [cache.by_block[block] for block in blocks]
+    cache = dataclasses.replace(
+        cache,
+        by_key=dissoc(cache.by_key, [entry.key for entry in entries]),
+        by_block=dissoc(cache.by_block, blocks),
+        evictable=cache.evictable[num_blocks:],
+    )
+    return cache, blocks

@@ -1,0 +1,313 @@
+"""schedule(): plan one engine step (see `engine.scheduler` for the whole protocol)."""
+
+import collections
+import dataclasses
+
+from engine import block_manager as bm
+from engine.block_manager import AllocStatus, BlockManagerState
+from engine.block_pool import blocks_for
+from engine.scheduler_state import (
+    ScheduledGroupWork,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerState,
+    SchedulerUsageError,
+)
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What schedule() has decided so far in one step."""
+
+    blocks: BlockManagerState
+    running: tuple[SequenceGroup, ...] = ()
+    work: tuple[ScheduledGroupWork, ...] = ()
+    num_tokens: int = 0
+    num_seqs: int = 0
+    to_waiting: tuple[SequenceGroup, ...] = ()
+    to_swapped: tuple[SequenceGroup, ...] = ()
+    preempted: tuple[str, ...] = ()
+    ignored: tuple[SequenceGroup, ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+
+
+def _work(
+    blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int,
+    do_sample: bool,
+) -> ScheduledGroupWork:
+    """The next `length` uncomputed tokens of seqs[0], written for all of `seqs`."""
+    first, size = seqs[0], blocks.config.block_size
+    start = first.num_computed_tokens
+    return ScheduledGroupWork(
+        request_id=group.request_id,
+        seq_ids=tuple(seq.seq_id for seq in seqs),
+        token_ids=first.token_ids[start : start + length],
+        start=start,
+        block_table=bm.block_table(blocks, first.seq_id)[: blocks_for(start + length, size)],
+        is_prefill=group.in_prefill,
+        do_sample=do_sample,
+    )
+
+
+def _prefill_work(
+    blocks: BlockManagerState, group: SequenceGroup, budget: int
+) -> tuple[ScheduledGroupWork, ...]:
+    """Up to `budget` prefill tokens of `group`: first the tokens its sequences share (one
+    entry for all), then each sequence's own rest; sampling only when all are complete."""
+    seqs = group.unfinished_seqs
+    shared = bm.num_shared_tokens(blocks, seqs)
+    computed = seqs[0].num_computed_tokens
+    if computed < shared:
+        assert all(seq.num_computed_tokens == computed for seq in seqs)
+        length = min(shared - computed, budget)
+        if not length:
+            return ()
+        return (_work(blocks, group, seqs, length, computed + length == seqs[0].len),)
+    complete = sum(seq.num_uncomputed_tokens for seq in seqs) <= budget
+    entries = []
+    for seq in seqs:
+        length = seq.num_uncomputed_tokens
+        if not complete:
+            length = min(length - 1, budget)
+        if length > 0:
+            budget -= length
+            entries.append(_work(blocks, group, (seq,), length, complete))
+    return tuple(entries)
+
+
+def _join(
+    step: _Step,
+    group: SequenceGroup,
+    work: tuple[ScheduledGroupWork, ...],
+    blocks: BlockManagerState | None = None,
+    copies: tuple[tuple[int, int], ...] = (),
+) -> _Step:
+    """Add `group` and its work to the step (with the block state and copies that work needs)."""
+    return dataclasses.replace(
+        step,
+        blocks=step.blocks if blocks is None else blocks,
+        copies=step.copies + copies,
+        running=step.running + (group,),
+        work=step.work + work,
+        num_tokens=step.num_tokens + sum(len(w.token_ids) for w in work),
+        num_seqs=step.num_seqs + len(group.unfinished_seqs),
+    )
+
+
+def _run_decode(step: _Step, group: SequenceGroup) -> _Step:
+    """Give every sequence a writable slot for its last token and schedule that token."""
+    blocks, copies, work = step.blocks, [], []
+    for seq in group.unfinished_seqs:
+        assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
+        blocks, copy = bm.append_slot(blocks, seq)
+        copies += [copy] if copy else []
+        work.append(_work(blocks, group, (seq,), 1, do_sample=True))
+    return _join(step, group, tuple(work), blocks, tuple(copies))
+
+
+def _run_prefill(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+    budget = config.max_num_batched_tokens - step.num_tokens
+    return _join(step, group, _prefill_work(step.blocks, group, budget))
+
+
+def _run(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+    if group.in_prefill:
+        return _run_prefill(step, group, config)
+    return _run_decode(step, group)
+
+
+def _has_room(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> bool:
+    """Whether the step's sequence and token budgets can take `group` (a prefill needs at
+    least one token, a decode one per sequence)."""
+    num_seqs = len(group.unfinished_seqs)
+    num_tokens = 1 if group.in_prefill else num_seqs
+    return (
+        step.num_seqs + num_seqs <= config.max_num_seqs
+        and step.num_tokens + num_tokens <= config.max_num_batched_tokens
+    )
+
+
+def _reset_for_recompute(group: SequenceGroup) -> SequenceGroup:
+    seqs = tuple(
+        seq if seq.status.is_finished
+        else dataclasses.replace(seq, status=SequenceStatus.WAITING, num_computed_tokens=0)
+        for seq in group.seqs
+    )
+    return dataclasses.replace(group, seqs=seqs, in_prefill=True)
+
+
+def _free_group(blocks: BlockManagerState, group: SequenceGroup) -> BlockManagerState:
+    for seq in group.unfinished_seqs:
+        blocks = bm.free(blocks, seq.seq_id)
+    return blocks
+
+
+def _preempt(step: _Step, group: SequenceGroup, mode: str | None) -> _Step:
+    """Swap the group out (mode "swap", or automatic with several sequences) if the host pool
+    can take it, else free its blocks to recompute it later."""
+    step = dataclasses.replace(step, preempted=step.preempted + (group.request_id,))
+    use_swap = mode == "swap" or (mode is None and len(group.unfinished_seqs) > 1)
+    if use_swap and bm.can_swap_out(step.blocks, group):
+        blocks, pairs = bm.swap_out(step.blocks, group)
+        group = set_unfinished_status(group, SequenceStatus.SWAPPED)
+        return dataclasses.replace(
+            step, blocks=blocks, to_swapped=step.to_swapped + (group,),
+            swap_out=step.swap_out + pairs,
+        )
+    return dataclasses.replace(
+        step, blocks=_free_group(step.blocks, group),
+        to_waiting=step.to_waiting + (_reset_for_recompute(group),),
+    )
+
+
+def _schedule_running(state: SchedulerState) -> _Step:
+    """Keep running groups in FCFS order; a decoding group that cannot get its slots preempts
+    the most recently arrived groups (itself last). Prefills continue within the token budget
+    left after all decodes."""
+    step, queue = _Step(blocks=state.blocks), collections.deque(state.running)
+    prefilling = []
+    while queue:
+        group = queue.popleft()
+        if group.in_prefill:
+            prefilling.append(group)
+            continue
+        while not bm.can_append_slots(step.blocks, group):
+            victim = queue.pop() if queue else group
+            step = _preempt(step, victim, state.config.preemption_mode)
+            if victim is group:
+                break
+        else:
+            step = _run_decode(step, group)
+    for group in prefilling:
+        step = _run_prefill(step, group, state.config)
+    return step
+
+
+def _ignore(step: _Step, group: SequenceGroup, reason: str) -> _Step:
+    """Finish a group that can never run, releasing whatever it holds."""
+    blocks = _free_group(step.blocks, group)
+    group = set_unfinished_status(group, SequenceStatus.FINISHED_IGNORED)
+    group = dataclasses.replace(group, ignored_reason=reason)
+    return dataclasses.replace(step, blocks=blocks, ignored=step.ignored + (group,))
+
+
+def _with_reason(
+    blocks: BlockManagerState, group: SequenceGroup, status: AllocStatus, need, verb: str
+) -> tuple[AllocStatus, str]:
+    """`status` and, for NEVER, why: `need(blocks, group)` blocks exceed the device pool."""
+    if status is not AllocStatus.NEVER:
+        return status, ""
+    config, seqs = blocks.config, group.unfinished_seqs
+    return status, (
+        f"request needs {need(blocks, group)} KV blocks of {config.block_size} tokens to {verb} "
+        f"({seqs[0].len} tokens x {len(seqs)} sequences), but the device pool has "
+        f"{config.num_device_blocks} blocks of which {config.watermark_blocks} stay free "
+        f"(watermark); raise num_device_blocks or shorten the request"
+    )
+
+
+def _swap_in_status(
+    blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
+) -> tuple[AllocStatus, str]:
+    status = bm.can_swap_in(blocks, group)
+    return _with_reason(blocks, group, status, bm.num_swap_in_blocks, "resume")
+
+
+def _swap_in(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+    blocks, pairs = bm.swap_in(step.blocks, group)
+    group = set_unfinished_status(group, SequenceStatus.RUNNING)
+    step = dataclasses.replace(step, blocks=blocks, swap_in=step.swap_in + pairs)
+    return _run(step, group, config)
+
+
+def _admission_status(
+    blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
+) -> tuple[AllocStatus, str]:
+    """Whether a waiting group fits; NEVER for a prompt longer than max_model_len or a group
+    larger than the whole device pool."""
+    if group.prompt_len > config.max_model_len:
+        reason = (
+            f"prompt of {group.prompt_len} tokens is longer than max_model_len="
+            f"{config.max_model_len}; shorten the prompt or raise max_model_len"
+        )
+        return AllocStatus.NEVER, reason
+    status = bm.can_allocate(blocks, group)
+    return _with_reason(blocks, group, status, bm.num_required_blocks, "start")
+
+
+def _admit(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+    """Allocate the group's blocks (prefix-cache hits count as computed) and start its prefill."""
+    blocks, num_cached_tokens = bm.allocate(step.blocks, group)
+    seqs = tuple(
+        seq if seq.status.is_finished
+        else dataclasses.replace(
+            seq, status=SequenceStatus.RUNNING, num_computed_tokens=num_cached_tokens
+        )
+        for seq in group.seqs
+    )
+    group = dataclasses.replace(group, seqs=seqs, in_prefill=True)
+    return _run_prefill(dataclasses.replace(step, blocks=blocks), group, config)
+
+
+def _take_in_order(
+    step: _Step, queue: tuple[SequenceGroup, ...], config: SchedulerConfig, status_of, enter
+) -> tuple[_Step, tuple[SequenceGroup, ...]]:
+    """Run groups from the front of `queue` in FCFS order; returns the groups left in it.
+
+    `status_of(blocks, group, config)` gives an AllocStatus and, for NEVER, the reason: such a
+    group is ignored. The first group that must wait for blocks or budget stops the loop;
+    `enter(step, group, config)` runs the others.
+    """
+    for index, group in enumerate(queue):
+        status, reason = status_of(step.blocks, group, config)
+        if status is AllocStatus.NEVER:
+            step = _ignore(step, group, reason)
+        elif status is AllocStatus.LATER or not _has_room(step, group, config):
+            return step, queue[index:]
+        else:
+            step = enter(step, group, config)
+    return step, ()
+
+
+def _by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
+    return tuple(sorted(groups, key=lambda group: group.arrival))
+
+
+def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+    """Plan one step: decodes of running groups (preempting when blocks run out), prefill
+    chunks, then, unless this step preempted, swap-ins and admissions (none while any group is
+    swapped out; with policy "static", only when nothing runs)."""
+    if state.pending is not None:
+        raise SchedulerUsageError(
+            "schedule() called twice: record the previous step with update() first"
+        )
+    config = state.config
+    step = _schedule_running(state)
+    swapped, waiting = state.swapped, state.waiting
+    if not step.preempted:
+        step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
+        if not swapped and (config.policy == "fcfs" or not step.running):
+            step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
+    output = SchedulerOutput(
+        scheduled=step.work,
+        blocks_to_swap_in=step.swap_in,
+        blocks_to_swap_out=step.swap_out,
+        blocks_to_copy=step.copies,
+        preempted=step.preempted,
+        ignored=tuple((group.request_id, group.ignored_reason) for group in step.ignored),
+    )
+    state = dataclasses.replace(
+        state,
+        blocks=step.blocks,
+        waiting=_by_arrival(step.to_waiting + waiting),
+        running=_by_arrival(step.running),
+        swapped=_by_arrival(swapped + step.to_swapped),
+        finished=step.ignored,
+        pending=output,
+        num_preemptions=state.num_preemptions + len(step.preempted),
+        num_swap_outs=state.num_swap_outs + len(step.to_swapped),
+    )
+    return state, output

@@ -1,0 +1,169 @@
+"""The scheduler's records: configuration, per-step output, update actions and state.
+
+`engine.scheduler` holds the functions over them (and re-exports these names).
+"""
+
+import dataclasses
+
+from engine.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
+from engine.block_stats import BlockManagerStats
+from engine.sequence import SequenceGroup, SequenceStatus
+
+PREEMPTION_MODES = (None, "recompute", "swap")
+POLICIES = ("fcfs", "static")
+
+
+class InvalidRequestError(ValueError):
+    """A request the scheduler cannot accept; the message says what to change."""
+
+
+class SchedulerUsageError(RuntimeError):
+    """schedule() / update() called out of order or with actions that do not match the step."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Budgets per step and policies.
+
+    `preemption_mode` None picks per group: recompute for one running sequence, swap for
+    several (they share blocks). A swap that the host pool cannot take falls back to recompute.
+    `policy` "static" admits a batch only when nothing runs and keeps it until all its members
+    finish (FasterTransformer-style); "fcfs" is continuous batching.
+    """
+
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_manager: BlockManagerConfig
+    max_num_seqs: int = 256
+    preemption_mode: str | None = None
+    policy: str = "fcfs"
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
+            )
+        if self.max_model_len != self.block_manager.max_model_len:
+            raise ConfigError(
+                f"max_model_len ({self.max_model_len}) differs from block_manager.max_model_len "
+                f"({self.block_manager.max_model_len}); set both to the same value"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledGroupWork:
+    """Tokens whose KV is computed this step, for the sequences `seq_ids`.
+
+    `token_ids` sit at positions start .. start + len(token_ids) - 1 and are written through
+    `block_table`, the blocks holding positions 0 .. context_len - 1 (the same physical blocks
+    for all of `seq_ids`). With `do_sample`, the engine samples one token
+    per seq_id from the logits of the last of them.
+    """
+
+    request_id: str
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    is_prefill: bool
+    do_sample: bool
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this work is done: what its last token attends to."""
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. Apply swap_out, then swap_in, then copy, then run `scheduled`."""
+
+    scheduled: tuple[ScheduledGroupWork, ...] = ()
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    preempted: tuple[str, ...] = ()
+    ignored: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens the model runs this step."""
+        return sum(len(work.token_ids) for work in self.scheduled)
+
+
+@dataclasses.dataclass(frozen=True)
+class Append:
+    """Add the sampled `token_id` to sequence `seq_id`."""
+
+    seq_id: int
+    token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """A new sequence sharing all of the parent's blocks, continuing with `token_id`."""
+
+    parent_seq_id: int
+    child_seq_id: int | None
+    token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """End sequence `seq_id` with a FINISHED_* `status` and free its blocks."""
+
+    seq_id: int
+    status: SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """Remove sequence `seq_id` from its group and free its blocks (a beam that lost)."""
+
+    seq_id: int
+
+
+Action = Append | Fork | Finish | Drop
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+    """Queues ordered by arrival, the block manager, and counters.
+
+    `finished` holds the groups that left during the last schedule() (ignored) and the
+    update() / abort() calls since. `pending` is the output of schedule() not yet recorded by
+    update().
+    """
+
+    config: SchedulerConfig
+    blocks: BlockManagerState
+    waiting: tuple[SequenceGroup, ...] = ()
+    running: tuple[SequenceGroup, ...] = ()
+    swapped: tuple[SequenceGroup, ...] = ()
+    finished: tuple[SequenceGroup, ...] = ()
+    pending: SchedulerOutput | None = None
+    next_seq_id: int = 0
+    next_arrival: int = 0
+    num_preemptions: int = 0
+    num_swap_outs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """Queue lengths (in groups), running sequences, preemptions, device KV usage, block stats."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    num_preemptions: int
+    num_swap_outs: int
+    kv_usage: float
+    blocks: BlockManagerStats

@@ -1,0 +1,184 @@
+"""update(): record one engine step's results in the scheduler state.
+
+Every token the step computed is marked computed (and full blocks enter the prefix cache), then
+the sampler's actions apply by kind: Appends and Forks (a child copies its parent as sampled,
+without the parent's Append), then Finishes and Drops. `engine.scheduler` explains how
+parallel sampling and beam search map onto actions.
+"""
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+
+from engine import block_manager as bm
+from engine.block_manager import BlockManagerState
+from engine.scheduler_state import (
+    Action,
+    Append,
+    Drop,
+    Finish,
+    Fork,
+    SchedulerOutput,
+    SchedulerState,
+    SchedulerUsageError,
+)
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+Seqs = dict[int, Sequence]
+
+
+def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int], set[int]]:
+    """num_computed_tokens after the step, per scheduled sequence still running; and the ids of
+    the sequences sampled."""
+    computed, sampled = {}, set()
+    for work in output.scheduled:
+        for seq_id in work.seq_ids:
+            if seq_id in seqs and not seqs[seq_id].status.is_finished:
+                assert seqs[seq_id].num_computed_tokens == work.start
+                computed[seq_id] = work.context_len
+                if work.do_sample:
+                    sampled.add(seq_id)
+    return computed, sampled
+
+
+def _target(action: Action) -> int:
+    return action.parent_seq_id if isinstance(action, Fork) else action.seq_id
+
+
+def _child_ids(forks: list[Fork], next_seq_id: int) -> list[int]:
+    """Ids for the forks' children: the explicit ones, else the next free ids in order."""
+    ids = []
+    for fork in forks:
+        child_id = next_seq_id if fork.child_seq_id is None else fork.child_seq_id
+        if child_id < next_seq_id or child_id in ids:
+            raise SchedulerUsageError(
+                f"Fork child_seq_id {child_id} is in use; pass None to get a fresh id"
+            )
+        ids.append(child_id)
+        next_seq_id = child_id + 1
+    return ids
+
+
+def _check(by_kind: dict, sampled: set[int], live: set[int]) -> None:
+    """Raise SchedulerUsageError unless the actions fit the step that was scheduled."""
+    appends = collections.Counter(action.seq_id for action in by_kind[Append])
+    for action in by_kind[Append] + by_kind[Fork]:
+        if _target(action) not in sampled:
+            raise SchedulerUsageError(
+                f"sequence {_target(action)} was not sampled this step; Append or Fork only "
+                f"sequences from scheduled entries with do_sample"
+            )
+    twice = [seq_id for seq_id, count in appends.items() if count > 1]
+    if twice:
+        raise SchedulerUsageError(f"sequences {twice} got several Appends; Fork extra tokens")
+    for action in by_kind[Finish]:
+        if not action.status.is_finished or action.status is SequenceStatus.FINISHED_IGNORED:
+            raise SchedulerUsageError(f"Finish needs a FINISHED_* status, got {action.status}")
+    ended = {action.seq_id for action in by_kind[Finish] + by_kind[Drop]}
+    if ended - live:
+        raise SchedulerUsageError(f"sequences {sorted(ended - live)} are not running")
+    missing = sampled - appends.keys() - ended
+    if missing:
+        raise SchedulerUsageError(
+            f"sampled sequences {sorted(missing)} need an Append, Finish or Drop"
+        )
+
+
+def _end(blocks: BlockManagerState, seqs: Seqs, seq_id: int, status: SequenceStatus):
+    seqs[seq_id] = dataclasses.replace(seqs[seq_id], status=status)
+    return bm.free(blocks, seq_id)
+
+
+def _apply(
+    blocks: BlockManagerState, seqs: Seqs, computed: dict[int, int], by_kind: dict, child_ids: list
+) -> tuple[BlockManagerState, dict[int, int], set[int]]:
+    """Apply computed counts, forks, appends, finishes and drops to `seqs` (in place); returns
+    the block state, each child's parent id, and the dropped ids."""
+    child_outputs = [
+        seqs[fork.parent_seq_id].output_token_ids + (fork.token_id,) for fork in by_kind[Fork]
+    ]
+    tokens = {append.seq_id: (append.token_id,) for append in by_kind[Append]}
+    for seq_id, num_computed in computed.items():
+        output = seqs[seq_id].output_token_ids + tokens.get(seq_id, ())
+        seqs[seq_id] = dataclasses.replace(
+            seqs[seq_id], num_computed_tokens=num_computed, output_token_ids=output
+        )
+    blocks = bm.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
+    parents = {}
+    for fork, child_id, output in zip(by_kind[Fork], child_ids, child_outputs):
+        parent = seqs[fork.parent_seq_id]
+        seqs[child_id] = dataclasses.replace(parent, seq_id=child_id, output_token_ids=output)
+        blocks = bm.fork(blocks, parent.seq_id, child_id)
+        parents[child_id] = parent.seq_id
+    for finish in by_kind[Finish]:
+        blocks = _end(blocks, seqs, finish.seq_id, finish.status)
+    for drop in by_kind[Drop]:
+        blocks = bm.free(blocks, drop.seq_id)
+    return blocks, parents, {drop.seq_id for drop in by_kind[Drop]}
+
+
+def _reached_length(seq: Sequence, max_tokens: int, max_model_len: int) -> bool:
+    """Whether an unfinished `seq` has generated max_tokens or outgrown max_model_len."""
+    if seq.status.is_finished:
+        return False
+    return len(seq.output_token_ids) >= max_tokens or seq.len > max_model_len
+
+
+def _regroup(
+    state: SchedulerState, seqs: Seqs, parents: dict[int, int], dropped: set[int], sampled: set[int]
+) -> tuple[BlockManagerState, tuple[SequenceGroup, ...], tuple[SequenceGroup, ...]]:
+    """Rebuild the running groups from `seqs`; finish sequences that reached max_tokens or
+    max_model_len; split off the groups with nothing left to generate."""
+    blocks, running, finished = state.blocks, [], []
+    children = collections.defaultdict(list)
+    for child_id, parent_id in parents.items():
+        children[parent_id].append(child_id)
+    for group in state.running:
+        ids = [seq.seq_id for seq in group.seqs]
+        ids += [child for seq_id in ids for child in children.get(seq_id, ())]
+        ids = [seq_id for seq_id in ids if seq_id not in dropped]
+        for seq_id in ids:
+            if _reached_length(seqs[seq_id], group.max_tokens, state.config.max_model_len):
+                blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
+        num_before = len(group.unfinished_seqs)
+        group = dataclasses.replace(
+            group,
+            seqs=tuple(seqs[seq_id] for seq_id in ids),
+            in_prefill=group.in_prefill and not sampled.intersection(ids),
+        )
+        if len(group.unfinished_seqs) > num_before:
+            raise SchedulerUsageError(
+                f"request {group.request_id!r} would grow from {num_before} to "
+                f"{len(group.unfinished_seqs)} running sequences; Fork only as many sequences "
+                f"as Finish or Drop in the same update"
+            )
+        (finished if group.is_finished else running).append(group)
+    return blocks, tuple(running), tuple(finished)
+
+
+def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
+    """Record the step planned by the last schedule(): its tokens are computed, then `actions`
+    (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped."""
+    if state.pending is None:
+        raise SchedulerUsageError("update() records the step planned by schedule(); call it first")
+    seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
+    computed, sampled = _computed_counts(state.pending, seqs)
+    aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
+    by_kind = {kind: [] for kind in (Append, Fork, Finish, Drop)}
+    for action in actions:
+        if _target(action) not in aborted:
+            by_kind[type(action)].append(action)
+    child_ids = _child_ids(by_kind[Fork], state.next_seq_id)
+    live = {seq_id for seq_id, seq in seqs.items() if not seq.status.is_finished}
+    _check(by_kind, sampled, live | set(child_ids))
+    blocks, parents, dropped = _apply(state.blocks, seqs, computed, by_kind, child_ids)
+    state = dataclasses.replace(state, blocks=blocks)
+    blocks, running, finished = _regroup(state, seqs, parents, dropped, sampled)
+    return dataclasses.replace(
+        state,
+        blocks=blocks,
+        running=running,
+        finished=state.finished + finished,
+        pending=None,
+        next_seq_id=max([state.next_seq_id] + [child_id + 1 for child_id in child_ids]),
+    )

@@ -1,0 +1,102 @@
+"""Immutable records of requests and their sequences.
+
+A request becomes a `SequenceGroup`: one prompt and `num_seqs` sequences (n parallel samples,
+best_of candidates or beam-search beams) that all start from that prompt. Every change is a new
+record made with `dataclasses.replace`; the scheduler owns the transitions between statuses.
+"""
+
+import dataclasses
+import enum
+import functools
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: queued, computing, on host, or done (and why)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the four terminal statuses."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(status for status in SequenceStatus if status.name.startswith("FINISHED_"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """One token stream. `num_computed_tokens` counts the tokens whose KV is in the cache."""
+
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The prompt followed by the generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def len(self) -> int:
+        """Number of tokens: prompt plus output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to be run through the model before the next sample."""
+        return self.len - self.num_computed_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceGroup:
+    """A request: its sequences, gang-scheduled together.
+
+    `arrival` orders requests first-come-first-served. `num_seqs` is the number of sequences the
+    request was created with; an update's forks may only replace sequences that end in the same
+    update, so a group never runs more sequences than it was admitted with.
+    `expected_output_len` is used only by the orca-pow2 / orca-oracle reservation baselines.
+    `in_prefill` is true from admission until the group first samples. `ignored_reason` says why
+    a request was refused (FINISHED_IGNORED).
+    """
+
+    request_id: str
+    seqs: tuple[Sequence, ...]
+    arrival: int
+    max_tokens: int
+    num_seqs: int
+    expected_output_len: int | None = None
+    in_prefill: bool = True
+    ignored_reason: str | None = None
+
+    @functools.cached_property
+    def unfinished_seqs(self) -> tuple[Sequence, ...]:
+        """The sequences still generating (they hold or will hold KV blocks)."""
+        return tuple(seq for seq in self.seqs if not seq.status.is_finished)
+
+    @property
+    def is_finished(self) -> bool:
+        """True when no sequence is still generating."""
+        return not self.unfinished_seqs
+
+    @property
+    def prompt_len(self) -> int:
+        """Length of the request's prompt (shared by all its sequences)."""
+        return len(self.seqs[0].prompt_token_ids)
+
+
+def set_unfinished_status(group: SequenceGroup, status: SequenceStatus) -> SequenceGroup:
+    """Give every unfinished sequence of `group` the status `status`."""
+    seqs = tuple(
+        seq if seq.status.is_finished else dataclasses.replace(seq, status=status)
+        for seq in group.seqs
+    )
+    return dataclasses.replace(group, seqs=seqs)

@@ -1,0 +1,130 @@
+"""The scheduler driven like the engine drives it, over the checking fake engine: resumption
+after preemption, replay, abort, and the errors an engine or a user can cause."""
+
+import pytest
+
+from engine import block_manager as bm
+from engine import scheduler as sch
+from engine.sequence import SequenceStatus
+from tests.engine.fake_engine import VOCAB, append_ones, make_config, serve
+
+SYSTEM_PROMPT = (5, 6, 7, 8, 9, 10)
+
+
+def workload(num_requests=12):
+    """Requests arriving three per step; half share a 6-token system prompt; every fourth forks
+    and drops like beam search; 1 to 3 sequences each."""
+    requests = []
+    for i in range(num_requests):
+        own = tuple((i * 7 + j * 3) % VOCAB or 1 for j in range(1 + i % 7))
+        prompt = (SYSTEM_PROMPT if i % 2 else ()) + own
+        name = ("beam" if i % 4 == 1 else "req") + str(i)
+        requests.append((i // 3, name, prompt, 1 + i % 3, 6 + i % 7))
+    return requests
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "recompute", "swap"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempted_requests_resume_exactly(preemption_mode, prefix_caching):
+    """Under memory pressure (preemption, swapping) the outputs equal those with a large pool."""
+    expected, _ = serve(make_config(), workload())
+    config = make_config(
+        num_device_blocks=18, num_host_blocks=12, max_num_batched_tokens=12,
+        preemption_mode=preemption_mode, prefix_caching=prefix_caching,
+    )
+    results, state = serve(config, workload())
+    assert results == expected
+    assert state.num_preemptions > 0
+    if preemption_mode == "swap":
+        assert state.num_swap_outs > 0
+    if prefix_caching:
+        assert state.blocks.prefix_cache.num_hits > 0
+    assert bm.num_free_device_blocks(state.blocks) == 18
+
+
+def test_the_same_calls_give_equal_states():
+    config = make_config(num_device_blocks=18, max_num_batched_tokens=12, prefix_caching=True)
+    assert serve(config, workload())[1] == serve(config, workload())[1]
+
+
+def run_until(state, condition, max_steps=20):
+    """Schedule and append sampled tokens until `condition(state)` holds right after schedule()."""
+    for _ in range(max_steps):
+        state, out = sch.schedule(state)
+        if condition(state):
+            return state
+        state = sch.update(state, append_ones(out))
+    raise AssertionError("condition never held")
+
+
+@pytest.mark.parametrize("where", ["waiting", "mid-chunk", "running", "swapped"])
+def test_abort_frees_everything_wherever_the_request_is(where):
+    config = make_config(
+        num_device_blocks=3, num_host_blocks=8, max_num_batched_tokens=4, max_num_seqs=4,
+        preemption_mode="swap",
+    )
+    state = sch.add_request(sch.initial_state(config), "pair", range(7), max_tokens=8, num_seqs=2)
+    state = sch.add_request(state, "single", range(3), max_tokens=8)
+    reached = {
+        "waiting": lambda s: True,
+        "mid-chunk": lambda s: s.running and s.running[0].in_prefill,
+        "running": lambda s: s.running and not s.running[0].in_prefill,
+        "swapped": lambda s: s.swapped,
+    }[where]
+    state = run_until(state, reached)
+    target = {"swapped": "single"}.get(where, "pair")
+    state = sch.abort(state, target)
+    assert {seq.status for seq in state.finished[-1].seqs} == {SequenceStatus.FINISHED_ABORTED}
+    for other in [group.request_id for group in state.waiting + state.running + state.swapped]:
+        state = sch.abort(state, other)
+    assert bm.num_free_device_blocks(state.blocks) == 3 and len(state.blocks.host.free) == 8
+    assert sch.abort(state, "pair") == state
+
+
+def test_engine_misuse_is_reported():
+    state = sch.initial_state(make_config())
+    state = sch.add_request(state, "a", range(4), max_tokens=4, num_seqs=2)
+    with pytest.raises(sch.SchedulerUsageError, match="call it first"):
+        sch.update(state, [])
+    state, _ = sch.schedule(state)
+    with pytest.raises(sch.SchedulerUsageError, match="update"):
+        sch.schedule(state)
+    misuse = {
+        "need an Append": [sch.Append(0, 1)],
+        "several Appends": [sch.Append(0, 1), sch.Append(0, 2), sch.Append(1, 1)],
+        "grow": [sch.Fork(0, None, 3), sch.Append(0, 1), sch.Append(1, 1)],
+        "not sampled": [sch.Append(7, 1), sch.Append(0, 1), sch.Append(1, 1)],
+        "FINISHED_": [sch.Append(0, 1), sch.Finish(1, SequenceStatus.RUNNING)],
+        "in use": [sch.Fork(0, 1, 3), sch.Drop(0), sch.Append(1, 1)],
+    }
+    for message, actions in misuse.items():
+        with pytest.raises(sch.SchedulerUsageError, match=message):
+            sch.update(state, actions)
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ((), dict(max_tokens=1), "empty"),
+        ((1,), dict(max_tokens=1, num_seqs=0), "num_seqs"),
+        ((1,), dict(max_tokens=1, num_seqs=9), "max_num_seqs"),
+        ((1,), dict(max_tokens=0), "max_tokens"),
+        ((1,), dict(max_tokens=1, request_id="dup"), "unique"),
+    ],
+)
+def test_bad_requests_say_what_to_change(prompt, kwargs, message):
+    state = sch.add_request(sch.initial_state(make_config()), "dup", (1,), max_tokens=1)
+    with pytest.raises(sch.InvalidRequestError, match=message):
+        sch.add_request(state, kwargs.pop("request_id", "new"), prompt, **kwargs)
+    oracle = sch.initial_state(make_config(reservation="orca-oracle"))
+    with pytest.raises(sch.InvalidRequestError, match="expected_output_len"):
+        sch.add_request(oracle, "r", (1,), max_tokens=1)
+
+
+def test_bad_scheduler_config_says_what_to_change():
+    with pytest.raises(bm.ConfigError, match="max_num_batched_tokens"):
+        make_config(max_num_batched_tokens=4, max_num_seqs=8)
+    with pytest.raises(bm.ConfigError, match="max_model_len"):
+        sch.SchedulerConfig(
+            max_num_batched_tokens=256, max_model_len=9, block_manager=make_config().block_manager
+        )

@@ -1,0 +1,232 @@
+"""Random engine runs: random pools, budgets, policies, requests and sampler decisions.
+
+After every step the block accounting is checked (refcounts equal block-table references, each
+block free xor referenced, swapped groups hold no device blocks, FCFS order); every plan is
+checked (budgets, FCFS admission, no write into a shared block) and executed by the fake cache,
+which verifies every KV read; every run is replayed and must give equal states.
+"""
+
+import collections
+import dataclasses
+import os
+
+import hypothesis.strategies as st
+from hypothesis import event, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from engine import block_manager as bm
+from engine import scheduler as sch
+from engine.sequence import SequenceStatus
+from tests.engine.fake_engine import FakeCache, make_config, sample, serve
+
+SETTINGS = settings.get_profile(os.environ.get("ENGINE_HYPOTHESIS_PROFILE", "engine"))
+
+PREFIXES = ((1, 2, 3, 1, 2), (1, 2, 3, 3), (2,))
+
+
+@st.composite
+def configs(draw):
+    """Tiny pools and budgets, so that preemption, swapping and chunking happen all the time."""
+    max_num_seqs = draw(st.integers(2, 4))
+    return make_config(
+        block_size=draw(st.integers(2, 4)),
+        num_device_blocks=draw(st.integers(4, 12)),
+        num_host_blocks=draw(st.sampled_from([0, 3, 8, 16])),
+        max_num_batched_tokens=draw(st.integers(max_num_seqs, 12)),
+        max_num_seqs=max_num_seqs,
+        max_model_len=draw(st.integers(8, 24)),
+        watermark=draw(st.sampled_from([0.0, 0.2])),
+        prefix_caching=draw(st.booleans()),
+        reservation=draw(st.sampled_from(["paged"] * 5 + ["orca-max", "orca-pow2", "orca-oracle"])),
+        preemption_mode=draw(st.sampled_from([None, "recompute", "swap"])),
+        policy=draw(st.sampled_from(["fcfs", "fcfs", "static"])),
+    )
+
+
+@st.composite
+def requests(draw):
+    """(prompt, num_seqs, max_tokens, expected_output_len); prompts share prefixes often."""
+    prompt = draw(st.sampled_from(PREFIXES)) + tuple(draw(st.lists(st.integers(1, 4), max_size=6)))
+    return prompt, draw(st.integers(1, 3)), draw(st.integers(1, 16)), draw(st.integers(1, 12))
+
+
+@SETTINGS
+@given(config=configs(), arrivals=st.lists(st.tuples(st.integers(0, 4), requests()), max_size=8))
+def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
+    """Random tiny pools, budgets and policies: every request that is not refused produces
+    exactly what it produces with ample memory."""
+    timed = [
+        (arrival, f"{'beam' if i % 3 else 'req'}{i}", prompt, min(n, config.max_num_seqs), limit)
+        for i, (arrival, (prompt, n, limit, _)) in enumerate(arrivals)
+    ]
+    ample_blocks = dataclasses.replace(config.block_manager, num_device_blocks=512, watermark=0.0)
+    ample = dataclasses.replace(config, max_num_batched_tokens=256, block_manager=ample_blocks)
+    expected, _ = serve(ample, timed)
+    results, _ = serve(config, timed)
+    for request_id, outputs in results.items():
+        if "FINISHED_IGNORED" not in {status for _, status in outputs}:
+            assert outputs == expected[request_id]
+
+
+def draw_actions(data, logits: dict) -> list:
+    """Random sampler decisions; a fork only replaces a sequence that ended before it."""
+    actions, room = [], collections.Counter()
+    for work, row in logits.items():
+        for index, seq_id in enumerate(work.seq_ids):
+            token = sample(row, index)
+            kind = data.draw(st.sampled_from(["append"] * 20 + ["stop", "drop", "fork", "fork"]))
+            if kind == "drop":
+                actions.append(sch.Drop(seq_id))
+                room[work.request_id] += 1
+                continue
+            if kind == "fork" and room[work.request_id] > 0:
+                actions.append(sch.Fork(seq_id, None, sample(row, 99)))
+                room[work.request_id] -= 1
+            actions.append(sch.Append(seq_id, token))
+            if kind == "stop":
+                actions.append(sch.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
+                room[work.request_id] += 1
+    return actions
+
+
+def check_blocks(state: sch.SchedulerState) -> None:
+    """Refcounts match the block tables; every block is free xor referenced; queues agree
+    with where each sequence's blocks are."""
+    blocks, size = state.blocks, state.config.block_manager.block_size
+    on_device = {seq.seq_id: seq for group in state.running for seq in group.unfinished_seqs}
+    on_host = {seq.seq_id: seq for group in state.swapped for seq in group.unfinished_seqs}
+    assert set(blocks.seqs) == on_device.keys() | on_host.keys()
+    for pool, holders, in_pool in ((blocks.device, on_device, True), (blocks.host, on_host, False)):
+        counts = [0] * len(pool.refcounts)
+        for seq_id, seq in holders.items():
+            entry = blocks.seqs[seq_id]
+            assert entry.on_device is in_pool
+            assert len(entry.block_table) * size >= seq.len - 1
+            for block in entry.block_table + entry.reserved:
+                counts[block] += 1
+        assert tuple(counts) == pool.refcounts
+        referenced = {block for block, count in enumerate(counts) if count}
+        evictable = blocks.prefix_cache.evictable if in_pool else ()
+        unreferenced = pool.free + evictable
+        assert len(set(unreferenced)) == len(unreferenced)
+        assert not referenced & set(unreferenced)
+        assert len(referenced) + len(unreferenced) == len(counts)
+    cached = set(blocks.prefix_cache.by_block)
+    assert set(blocks.prefix_cache.evictable) <= cached
+    assert not cached & set(blocks.device.free)
+    queues = {"WAITING": state.waiting, "RUNNING": state.running, "SWAPPED": state.swapped}
+    for status, queue in queues.items():
+        arrivals = [group.arrival for group in queue]
+        assert arrivals == sorted(arrivals)
+        assert all(seq.status.name == status for group in queue for seq in group.unfinished_seqs)
+    if not (state.waiting or state.running or state.swapped):
+        assert bm.num_free_device_blocks(blocks) == len(blocks.device.refcounts)
+        assert len(blocks.host.free) == len(blocks.host.refcounts)
+
+
+def check_plan(
+    before: sch.SchedulerState, after: sch.SchedulerState, out: sch.SchedulerOutput
+) -> None:
+    """Budgets hold, admission is FCFS, and only unshared blocks (or blocks shared exactly by
+    the sequences of one prefill entry) receive tokens."""
+    config, size = after.config, after.config.block_manager.block_size
+    assert out.num_batched_tokens <= config.max_num_batched_tokens
+    assert sum(len(group.unfinished_seqs) for group in after.running) <= config.max_num_seqs
+    waiting_before = {group.request_id: group.arrival for group in before.waiting}
+    admitted = [group.arrival for group in after.running if group.request_id in waiting_before]
+    still_waiting = [group.arrival for group in after.waiting if group.request_id in waiting_before]
+    assert not (admitted and out.preempted)
+    if admitted and still_waiting:
+        assert max(admitted) < min(still_waiting)
+    refcounts = after.blocks.device.refcounts
+    for work in out.scheduled:
+        written = {work.block_table[p // size] for p in range(work.start, work.context_len)}
+        for block in written:
+            assert refcounts[block] == len(work.seq_ids), f"shared block {block} written"
+        for seq_id in work.seq_ids:
+            assert bm.block_table(after.blocks, seq_id)[: len(work.block_table)] == work.block_table
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / schedule + update / abort sequences; replayed at the end for equality."""
+
+    @initialize(config=configs(), initial=st.lists(requests(), min_size=2, max_size=6))
+    def start(self, config, initial):
+        self.config = config
+        self.state = sch.initial_state(config)
+        self.cache = FakeCache(config.block_manager.block_size)
+        self.calls, self.states = [], []
+        self.add(initial)
+
+    def _record(self, call, state):
+        self.calls.append(call)
+        self.states.append(state)
+        self.state = state
+
+    def add(self, requests):
+        for prompt, num_seqs, max_tokens, expected in requests:
+            kwargs = dict(
+                max_tokens=max_tokens, num_seqs=min(num_seqs, self.config.max_num_seqs),
+                expected_output_len=expected,
+            )
+            call = ("add", f"r{len(self.calls)}", prompt, kwargs)
+            self._record(call, sch.add_request(self.state, call[1], call[2], **call[3]))
+
+    @rule(data=st.data(), new=st.lists(requests(), max_size=3), num_steps=st.integers(1, 6))
+    def advance(self, data, new, num_steps):
+        """New requests arrive, then the engine runs a few steps."""
+        self.add(new)
+        for _ in range(num_steps):
+            self._step(data)
+
+    def _step(self, data):
+        state, out = sch.schedule(self.state)
+        check_plan(self.state, state, out)
+        for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "preempted"):
+            if getattr(out, name):
+                event(name)
+        if out.ignored:
+            event("ignored")
+        if any(len(w.seq_ids) > 1 for w in out.scheduled):
+            event("shared prefill")
+        if any(w.is_prefill and not w.do_sample for w in out.scheduled):
+            event("chunk")
+        self.cache.apply(out)
+        logits = self.cache.run(state, out)
+        aborted = None
+        if state.running and data.draw(st.integers(0, 9)) == 0:
+            aborted = data.draw(st.sampled_from([group.request_id for group in state.running]))
+            state = sch.abort(state, aborted)
+        logits = {work: row for work, row in logits.items() if work.request_id != aborted}
+        actions = draw_actions(data, logits)
+        self._record(("step", aborted, tuple(actions)), sch.update(state, actions))
+        if self.state.blocks.prefix_cache.num_hits:
+            event("prefix hit")
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = self.state.waiting + self.state.running + self.state.swapped
+        ids = [group.request_id for group in live] + ["never-added"]
+        request_id = data.draw(st.sampled_from(ids))
+        self._record(("abort", request_id), sch.abort(self.state, request_id))
+
+    @invariant()
+    def blocks_are_consistent(self):
+        check_blocks(self.state)
+
+    def teardown(self):
+        """The same calls from the same initial state give equal states: the state is a value."""
+        state = sch.initial_state(self.config)
+        for call, expected in zip(self.calls, self.states):
+            if call[0] == "add":
+                state = sch.add_request(state, call[1], call[2], **call[3])
+            elif call[0] == "abort":
+                state = sch.abort(state, call[1])
+            else:
+                state, _ = sch.schedule(state)
+                state = sch.update(sch.abort(state, call[1]) if call[1] else state, call[2])
+            assert state == expected
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = SETTINGS
