@@ -1,17 +1,20 @@
 """Prefix cache: full, computed KV blocks found again by their content.
 
-A cached block is identified by its key `(parent entry id, token ids)`: the entry id of the cached
-block before it (None for the first block of a sequence) and the block's own token ids. The key
-is hashed by the dict, and the dict compares the token ids on a hash match, so a hash collision
-can never return the wrong block. Entry ids are never reused, so a parent id pins the entire
-prefix before the block: a key names exactly one token prefix, which is what the block's KV
-depends on.
+A full block is identified by a hash of (its parent, its token ids), as in vLLM, except that
+the parent is named by the entry id of the cached block before it (None for a sequence's first
+block) instead of by the parent's hash. The key `(parent entry id, token ids)` is hashed by the
+dict, which compares the token ids on a hash match, so a collision never returns the wrong
+block; entry ids are never reused, so a parent id pins the entire prefix before the block. A key
+thus names exactly one token prefix, which is what the block's KV depends on.
 
 Only blocks whose KV has been computed are inserted (the block manager calls `insert_chains`
 from `mark_computed`), so a hit never depends on work scheduled in the same step.
 
 A cached block that no sequence references is *evictable*: it counts as free, keeps its KV for
 future hits, and is reused least-recently-released first once the free list is empty.
+
+The read-only mapping helpers (`frozen_map`, `assoc`, `dissoc`) give the block manager's state
+its dicts too.
 """
 
 import dataclasses

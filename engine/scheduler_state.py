@@ -63,8 +63,10 @@ class ScheduledGroupWork:
 
     `token_ids` sit at positions start .. start + len(token_ids) - 1 and are written through
     `block_table`, the blocks holding positions 0 .. context_len - 1 (the same physical blocks
-    for all of `seq_ids`). With `do_sample`, the engine samples one token
-    per seq_id from the logits of the last of them.
+    for all of `seq_ids`). `is_prefill` marks a group that has not sampled since admission: its
+    prompt, or, after preemption by recompute, its prompt and generated tokens; decodes compute
+    the one token sampled last step. With `do_sample`, the engine samples one token per seq_id
+    from the logits of the last token (False for a chunk that does not reach the end).
     """
 
     request_id: str

@@ -152,6 +152,11 @@ def _regroup(
                 f"{len(group.unfinished_seqs)} running sequences; Fork only as many sequences "
                 f"as Finish or Drop in the same update"
             )
+        if not group.seqs:
+            raise SchedulerUsageError(
+                f"request {group.request_id!r} would lose all its sequences; Finish the last "
+                f"one instead of dropping it"
+            )
         (finished if group.is_finished else running).append(group)
     return blocks, tuple(running), tuple(finished)
 

@@ -13,7 +13,7 @@ from engine import block_manager as bm
 from engine import scheduler as sch
 from engine.sequence import SequenceStatus
 
-settings.register_profile("engine", max_examples=100, stateful_step_count=40, deadline=None)
+settings.register_profile("engine", max_examples=150, stateful_step_count=40, deadline=None)
 settings.register_profile("engine-soak", max_examples=3000, stateful_step_count=60, deadline=None)
 
 VOCAB = 23

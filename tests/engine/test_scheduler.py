@@ -96,6 +96,7 @@ def test_engine_misuse_is_reported():
         "not sampled": [sch.Append(7, 1), sch.Append(0, 1), sch.Append(1, 1)],
         "FINISHED_": [sch.Append(0, 1), sch.Finish(1, SequenceStatus.RUNNING)],
         "in use": [sch.Fork(0, 1, 3), sch.Drop(0), sch.Append(1, 1)],
+        "lose all": [sch.Drop(0), sch.Drop(1)],
     }
     for message, actions in misuse.items():
         with pytest.raises(sch.SchedulerUsageError, match=message):

@@ -31,14 +31,14 @@ def configs(draw):
     return make_config(
         block_size=draw(st.integers(2, 4)),
         num_device_blocks=draw(st.integers(4, 12)),
-        num_host_blocks=draw(st.sampled_from([0, 3, 8, 16])),
+        num_host_blocks=draw(st.sampled_from([0, 4, 16, 16])),
         max_num_batched_tokens=draw(st.integers(max_num_seqs, 12)),
         max_num_seqs=max_num_seqs,
         max_model_len=draw(st.integers(8, 24)),
         watermark=draw(st.sampled_from([0.0, 0.2])),
         prefix_caching=draw(st.booleans()),
         reservation=draw(st.sampled_from(["paged"] * 5 + ["orca-max", "orca-pow2", "orca-oracle"])),
-        preemption_mode=draw(st.sampled_from([None, "recompute", "swap"])),
+        preemption_mode=draw(st.sampled_from([None, None, "recompute", "swap", "swap"])),
         policy=draw(st.sampled_from(["fcfs", "fcfs", "static"])),
     )
 
@@ -68,20 +68,24 @@ def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
             assert outputs == expected[request_id]
 
 
-def draw_actions(data, logits: dict) -> list:
-    """Random sampler decisions; a fork only replaces a sequence that ended before it."""
+def draw_actions(data, state: sch.SchedulerState, logits: dict) -> list:
+    """Random sampler decisions; a fork only replaces a sequence that ended before it, and a
+    request keeps at least one sequence."""
     actions, room = [], collections.Counter()
+    kept = {group.request_id: len(group.seqs) for group in state.running}
     for work, row in logits.items():
         for index, seq_id in enumerate(work.seq_ids):
             token = sample(row, index)
             kind = data.draw(st.sampled_from(["append"] * 20 + ["stop", "drop", "fork", "fork"]))
-            if kind == "drop":
+            if kind == "drop" and kept[work.request_id] > 1:
                 actions.append(sch.Drop(seq_id))
                 room[work.request_id] += 1
+                kept[work.request_id] -= 1
                 continue
             if kind == "fork" and room[work.request_id] > 0:
                 actions.append(sch.Fork(seq_id, None, sample(row, 99)))
                 room[work.request_id] -= 1
+                kept[work.request_id] += 1
             actions.append(sch.Append(seq_id, token))
             if kind == "stop":
                 actions.append(sch.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
@@ -191,6 +195,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("shared prefill")
         if any(w.is_prefill and not w.do_sample for w in out.scheduled):
             event("chunk")
+        if any(len(w.seq_ids) < len(sch.find_group(state, w.request_id).unfinished_seqs)
+               for w in out.scheduled if w.is_prefill):
+            event("re-prefill of diverged sequences")
         self.cache.apply(out)
         logits = self.cache.run(state, out)
         aborted = None
@@ -198,7 +205,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             aborted = data.draw(st.sampled_from([group.request_id for group in state.running]))
             state = sch.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
-        actions = draw_actions(data, logits)
+        actions = draw_actions(data, state, logits)
         self._record(("step", aborted, tuple(actions)), sch.update(state, actions))
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")
