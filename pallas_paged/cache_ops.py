@@ -52,6 +52,17 @@ def copy_blocks(k_cache, v_cache, src, dst):
     return copy(k_cache), copy(v_cache)
 
 
+def gather_blocks(cache, block_ids):
+    """cache: [kv_heads, blocks, block_size, d]; block_ids: int32[n] → [kv_heads, n, block_size, d]."""
+    return cache[:, block_ids]
+
+
+def scatter_blocks(cache, blocks, block_ids):
+    """Write ``blocks[:, i]`` into block ``block_ids[i]``; ids past the last block are padding
+    and write nothing (negative ids would wrap around). Returns the cache."""
+    return cache.at[:, block_ids].set(blocks.astype(cache.dtype), mode="drop")
+
+
 def host_sharding(device: jax.Device | None = None) -> jax.sharding.Sharding:
     """Where swapped-out blocks live: the device's pinned host memory."""
     device = device or jax.devices()[0]
@@ -68,14 +79,9 @@ def swap_out(k_cache, v_cache, block_ids):
     block_ids: int32[n] device blocks. Returns ``(host_k, host_v)``, each
     ``[kv_heads, n, block_size, d]`` in the ``pinned_host`` memory kind.
     """
-    gathered = _gather(k_cache, v_cache, jnp.asarray(block_ids))
-    sharding = host_sharding(_device_of(k_cache))
-    return jax.device_put(gathered, sharding)
-
-
-@jax.jit
-def _gather(k_cache, v_cache, block_ids):
-    return k_cache[:, block_ids], v_cache[:, block_ids]
+    block_ids = jnp.asarray(block_ids)
+    return jax.device_put((gather_blocks(k_cache, block_ids), gather_blocks(v_cache, block_ids)),
+                          host_sharding(_device_of(k_cache)))
 
 
 def swap_in(k_cache, v_cache, host_k, host_v, block_ids):
@@ -87,9 +93,10 @@ def swap_in(k_cache, v_cache, host_k, host_v, block_ids):
     """
     device = jax.sharding.SingleDeviceSharding(_device_of(k_cache))
     host_k, host_v = jax.device_put((host_k, host_v), device)
-    return _scatter(k_cache, v_cache, host_k, host_v, jnp.asarray(block_ids))
+    block_ids = _drop_negative(jnp.asarray(block_ids), k_cache.shape[1])
+    return _scatter_both(k_cache, v_cache, host_k, host_v, block_ids)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter(k_cache, v_cache, host_k, host_v, block_ids):
-    return k_cache.at[:, block_ids].set(host_k), v_cache.at[:, block_ids].set(host_v)
+def _scatter_both(k_cache, v_cache, k_blocks, v_blocks, block_ids):
+    return scatter_blocks(k_cache, k_blocks, block_ids), scatter_blocks(v_cache, v_blocks, block_ids)

@@ -46,9 +46,18 @@ class KVCacheSpec:
         """Tokens the cache can hold."""
         return self.num_blocks * self.block_size
 
-    def allocate(self, sharding: jax.sharding.Sharding | None = None) -> list[tuple[jax.Array, jax.Array]]:
-        """Zeroed ``(k_cache, v_cache)`` per layer, each ``[kv_heads, blocks, block_size, head_dim]``."""
-        make = jax.jit(lambda: jnp.zeros(self.layer_shape, self.dtype), out_shardings=sharding)
+    def allocate(self, sharding: jax.sharding.Sharding | None = None, *, on_host: bool = False
+                 ) -> list[tuple[jax.Array, jax.Array]]:
+        """Zeroed ``(k_cache, v_cache)`` per layer, each ``[kv_heads, blocks, block_size, head_dim]``.
+
+        ``on_host`` puts them in host memory (the swap space); they are created there, never
+        staged through the device.
+        """
+        def zeros():
+            array = jnp.zeros(self.layer_shape, self.dtype)
+            return jax.device_put(array, jax.memory.Space.Host) if on_host else array
+
+        make = jax.jit(zeros, out_shardings=None if on_host else sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
 
 
