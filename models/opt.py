@@ -1,0 +1,97 @@
+"""OPT (125m to 66b layouts): learned positions, LayerNorm, ReLU MLP, biases.
+
+Parameters (layout in :mod:`models.layers`)::
+
+    {"embed": [vocab, word_embed_proj_dim],
+     "pos_embed": [max_positions + 2, hidden],     # OPT offsets positions by 2
+     "project_in": {"w"}, "project_out": {"w"},    # only when word_embed_proj_dim != hidden (opt-350m)
+     "layers": [{"attn_norm", "q", "k", "v", "o", "mlp_norm", "fc1", "fc2"}, ...],
+     "final_norm": {"scale", "bias"},              # only with do_layer_norm_before
+     "lm_head": {"w": [word_embed_proj_dim, vocab]}}  # absent with tied embeddings
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from models import layers
+from models.config import ModelConfig, ModelLoadError
+
+POSITION_OFFSET = 2
+
+
+def forward(config: ModelConfig, params, input_ids, positions, metadata, kv_caches):
+    """One model step over a ragged batch.
+
+    input_ids, positions: int32[T]; metadata: :class:`models.metadata.Metadata`;
+    kv_caches: per layer (k_cache, v_cache), each [kv_heads, blocks, block_size, head_dim].
+    Returns (float32[L, vocab] logits for ``metadata.logits_indices``, new kv_caches).
+    """
+    x = params["embed"][input_ids]
+    if "project_in" in params:
+        x = layers.linear(x, params["project_in"])
+    x = x + params["pos_embed"][positions + POSITION_OFFSET]
+    new_caches = []
+    for p, kv_cache in zip(params["layers"], kv_caches, strict=True):
+        x, kv_cache = _block(config, p, x, metadata, kv_cache)
+        new_caches.append(kv_cache)
+    h = x[metadata.logits_indices]
+    if "final_norm" in params:
+        h = layers.layer_norm(h, params["final_norm"])
+    if "project_out" in params:
+        h = layers.linear(h, params["project_out"])
+    return layers.logits(params, h), new_caches
+
+
+def _block(config: ModelConfig, p, x, metadata, kv_cache):
+    """One decoder layer, pre- or post-norm. x: [T, hidden] → ([T, hidden], kv_cache)."""
+    pre_norm = config.do_layer_norm_before
+    h = layers.layer_norm(x, p["attn_norm"]) if pre_norm else x
+    attn, kv_cache = layers.attention(config, p, h, metadata, kv_cache)
+    x = x + attn
+    if not pre_norm:
+        x = layers.layer_norm(x, p["attn_norm"])
+    h = layers.layer_norm(x, p["mlp_norm"]) if pre_norm else x
+    x = x + layers.linear(layers.ACTIVATIONS[config.activation](layers.linear(h, p["fc1"])), p["fc2"])
+    if not pre_norm:
+        x = layers.layer_norm(x, p["mlp_norm"])
+    return x, kv_cache
+
+
+def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: Callable):
+    """Build the parameter pytree from Hugging Face tensors, one layer at a time (see ``llama.params_from_hf``)."""
+    if config.activation not in layers.ACTIVATIONS:
+        raise ModelLoadError(f"OPT activation {config.activation!r} is not supported; "
+                             f"supported: {', '.join(layers.ACTIVATIONS)}")
+    root = "model.decoder."
+    params = {
+        "embed": put(get(root + "embed_tokens.weight")),
+        "pos_embed": put(get(root + "embed_positions.weight")),
+        "layers": [put(_layer_from_hf(config, get, f"{root}layers.{i}.")) for i in range(config.num_layers)],
+    }
+    if config.word_embed_proj_dim != config.hidden_size:
+        params["project_in"] = put(layers.linear_from_hf(get, root + "project_in", bias=False))
+        params["project_out"] = put(layers.linear_from_hf(get, root + "project_out", bias=False))
+    if config.final_layer_norm:
+        params["final_norm"] = put(_norm_from_hf(config, get, root + "final_layer_norm"))
+    if not config.tie_word_embeddings:
+        params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", bias=False))
+    return params
+
+
+def _layer_from_hf(config: ModelConfig, get, prefix: str):
+    return {
+        "attn_norm": _norm_from_hf(config, get, prefix + "self_attn_layer_norm"),
+        **layers.attention_from_hf(get, prefix + "self_attn.", "out_proj", config.attention_bias),
+        "mlp_norm": _norm_from_hf(config, get, prefix + "final_layer_norm"),
+        "fc1": layers.linear_from_hf(get, prefix + "fc1", config.mlp_bias),
+        "fc2": layers.linear_from_hf(get, prefix + "fc2", config.mlp_bias),
+    }
+
+
+def _norm_from_hf(config: ModelConfig, get, name: str):
+    if not config.layer_norm_affine:
+        return {}
+    return {"scale": get(name + ".weight"), "bias": get(name + ".bias")}

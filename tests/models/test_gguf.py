@@ -1,0 +1,70 @@
+"""The GGUF route on a tiny file: every quantisation type, and llama.cpp's Q/K row permutation undone."""
+
+from __future__ import annotations
+
+import itertools
+
+import gguf
+import numpy as np
+import pytest
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+import models
+from tiny_models import build_hf_model
+
+QUANT_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F16", "Q8_0", "Q4_0", "Q4_1", "F32")]
+
+
+def _llama_cpp_permute(weights, num_heads):
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows: interleave each head's rotary halves."""
+    shape = weights.shape
+    return weights.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _write_gguf(hf, path):
+    """Write ``hf`` as a llama GGUF, cycling the 2-D tensors through ``QUANT_TYPES``."""
+    config = hf.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    quant_types = itertools.cycle(QUANT_TYPES)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.numpy()
+        if "q_proj" in name or "k_proj" in name:
+            data = _llama_cpp_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+        qtype = next(quant_types) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), gguf.quants.quantize(data, qtype),
+                          raw_dtype=qtype)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "llama_mqa_untied"])
+def test_gguf_params_match_transformers_conversion(name, tmp_path):
+    hf = build_hf_model(name, tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(hf, path)
+
+    config, params, tokenizer = models.load_model(path)
+
+    assert tokenizer is None and config.tie_word_embeddings == hf.config.tie_word_embeddings
+    want = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
+    layer = params["layers"][1]
+    for key, hf_name in [("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("gate", "mlp.gate_proj")]:
+        np.testing.assert_array_equal(layer[key]["w"], want[f"model.layers.1.{hf_name}.weight"].numpy().T)
+    np.testing.assert_array_equal(params["embed"], want["model.embed_tokens.weight"].numpy())
+    if not config.tie_word_embeddings:
+        np.testing.assert_array_equal(params["lm_head"]["w"], want["lm_head.weight"].numpy().T)
+    q = hf.model.layers[1].self_attn.q_proj.weight.detach().numpy().T
+    assert np.abs(np.asarray(layer["q"]["w"]) - q).max() < 0.1 * np.abs(q).max()

