@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 from models.config import ModelConfig, ModelLoadError
 from models.loader import ARCHITECTURES, LoadedModel, load_model
@@ -19,12 +21,33 @@ __all__ = [
     "Metadata",
     "ModelConfig",
     "ModelLoadError",
+    "Stages",
     "forward_fn",
     "kv_cache_specs",
     "load_model",
     "named_shardings",
     "param_specs",
+    "stages",
 ]
+
+class Stages(NamedTuple):
+    """A model as three functions, bound to its config.
+
+    embed(params, input_ids[T], positions[T]) → x[T, hidden];
+    layer(layer_params, x, positions, metadata, kv_cache) → (x, kv_cache), the same
+    function for every layer; head(params, x, rows[L]) → float32 logits [L, vocab].
+    """
+
+    embed: Callable
+    layer: Callable
+    head: Callable
+
+
+def stages(config: ModelConfig) -> Stages:
+    """The stages of ``config``'s architecture (see :class:`Stages`)."""
+    module = ARCHITECTURES[config.architecture]
+    return Stages(*(functools.partial(fn, config) for fn in (module.embed, module.layer, module.head)))
+
 
 def forward_fn(config: ModelConfig):
     """The model step for ``config``: ``(params, input_ids, positions, metadata, kv_caches) → (logits, kv_caches)``.
@@ -33,4 +56,14 @@ def forward_fn(config: ModelConfig):
     layer (k_cache, v_cache) from ``KVCacheSpec.allocate()``. Returns float32
     logits [len(metadata.logits_indices), vocab] and the updated caches.
     """
-    return functools.partial(ARCHITECTURES[config.architecture].forward, config)
+    embed, layer, head = stages(config)
+
+    def forward(params, input_ids, positions, metadata, kv_caches):
+        x = embed(params, input_ids, positions)
+        new_caches = []
+        for layer_params, kv_cache in zip(params["layers"], kv_caches, strict=True):
+            x, kv_cache = layer(layer_params, x, positions, metadata, kv_cache)
+            new_caches.append(kv_cache)
+        return head(params, x, metadata.logits_indices), new_caches
+
+    return forward

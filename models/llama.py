@@ -7,8 +7,9 @@ Parameters (layout in :mod:`models.layers`)::
      "final_norm": {"scale": [hidden]},
      "lm_head": {"w": [hidden, vocab]}}      # absent with tied embeddings
 
-Layers are a Python list unrolled by the forward pass: per-layer arrays are
-faster on CPU than ``scan`` over stacked weights.
+Layers are a Python list of per-layer arrays (faster on CPU than ``scan`` over
+stacked weights); the stages (``embed``, ``layer``, ``head``) are composed by
+:func:`models.forward_fn` or run one by one by the engine.
 """
 
 from __future__ import annotations
@@ -21,30 +22,25 @@ from models import layers
 from models.config import ModelConfig
 
 
-def forward(config: ModelConfig, params, input_ids, positions, metadata, kv_caches):
-    """One model step over a ragged batch.
+def embed(config: ModelConfig, params, input_ids, positions):
+    """Token embeddings. input_ids, positions: int32[T] → [T, hidden]."""
+    return params["embed"][input_ids]
 
-    input_ids, positions: int32[T]; metadata: :class:`models.metadata.Metadata`;
-    kv_caches: per layer (k_cache, v_cache), each [kv_heads, blocks, block_size, head_dim].
-    Returns (float32[L, vocab] logits for ``metadata.logits_indices``, new kv_caches).
-    """
-    x = params["embed"][input_ids]
+
+def layer(config: ModelConfig, p, x, positions, metadata, kv_cache):
+    """One pre-norm decoder layer. x: [T, hidden]; positions: int32[T] → ([T, hidden], kv_cache)."""
     rope = layers.rotary(positions, layers.rope_inv_freq(config))
-    new_caches = []
-    for p, kv_cache in zip(params["layers"], kv_caches, strict=True):
-        x, kv_cache = _block(config, p, x, metadata, kv_cache, rope)
-        new_caches.append(kv_cache)
-    h = layers.rms_norm(x[metadata.logits_indices], params["final_norm"], config.rms_norm_eps)
-    return layers.logits(params, h), new_caches
-
-
-def _block(config: ModelConfig, p, x, metadata, kv_cache, rope):
-    """One pre-norm decoder layer. x: [T, hidden] → ([T, hidden], kv_cache)."""
     h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
     attn, kv_cache = layers.attention(config, p, h, metadata, kv_cache, rope)
     x = x + attn
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     return x + layers.gated_mlp(p, h), kv_cache
+
+
+def head(config: ModelConfig, params, x, rows):
+    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]."""
+    h = layers.rms_norm(x[rows], params["final_norm"], config.rms_norm_eps)
+    return layers.logits(params, h)
 
 
 def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: Callable):

@@ -22,27 +22,27 @@ from models.config import ModelConfig, ModelLoadError
 POSITION_OFFSET = 2
 
 
-def forward(config: ModelConfig, params, input_ids, positions, metadata, kv_caches):
-    """One model step over a ragged batch.
-
-    input_ids, positions: int32[T]; metadata: :class:`models.metadata.Metadata`;
-    kv_caches: per layer (k_cache, v_cache), each [kv_heads, blocks, block_size, head_dim].
-    Returns (float32[L, vocab] logits for ``metadata.logits_indices``, new kv_caches).
-    """
+def embed(config: ModelConfig, params, input_ids, positions):
+    """Token plus learned position embeddings. input_ids, positions: int32[T] → [T, hidden]."""
     x = params["embed"][input_ids]
     if "project_in" in params:
         x = layers.linear(x, params["project_in"])
-    x = x + params["pos_embed"][positions + POSITION_OFFSET]
-    new_caches = []
-    for p, kv_cache in zip(params["layers"], kv_caches, strict=True):
-        x, kv_cache = _block(config, p, x, metadata, kv_cache)
-        new_caches.append(kv_cache)
-    h = x[metadata.logits_indices]
+    return x + params["pos_embed"][positions + POSITION_OFFSET]
+
+
+def layer(config: ModelConfig, p, x, positions, metadata, kv_cache):
+    """One decoder layer (learned positions: ``positions`` is unused here)."""
+    return _block(config, p, x, metadata, kv_cache)
+
+
+def head(config: ModelConfig, params, x, rows):
+    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]."""
+    h = x[rows]
     if "final_norm" in params:
         h = layers.layer_norm(h, params["final_norm"])
     if "project_out" in params:
         h = layers.linear(h, params["project_out"])
-    return layers.logits(params, h), new_caches
+    return layers.logits(params, h)
 
 
 def _block(config: ModelConfig, p, x, metadata, kv_cache):

@@ -27,7 +27,7 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_re
     heads = head_block if heads_per_program == 1 else pl.ds(head_block * heads_per_program, heads_per_program)
     context_len = context_lens_ref[seq]
     keys_per_step = k_ref.shape[2] * blocks_per_step
-    q = q_ref[...].astype(jnp.float32) * scale
+    q = q_ref[seq, heads].astype(jnp.float32) * scale
 
     def step(i, state):
         read = functools.partial(load_blocks, heads=heads, block_tables_ref=block_tables_ref, seq=seq,
@@ -37,7 +37,7 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, o_re
 
     num_steps = pl.cdiv(context_len, keys_per_step)
     state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(q))
-    o_ref[...] = softmax.finish(state).astype(o_ref.dtype)
+    o_ref[seq, heads] = softmax.finish(state).astype(o_ref.dtype)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, tiling: Tiling, interpret: bool):
@@ -56,19 +56,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, t
 
     q_tiles = jnp.pad(q.reshape(seqs, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % blocks_per_step)))
-    head_block = None if per_program == 1 else per_program
-    q_spec = pl.BlockSpec((None, head_block, rows, head_dim), lambda s, h: (s, h, 0, 0))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_decode_kernel, heads_per_program=per_program,
                                blocks_per_step=blocks_per_step, one_by_one=tiling.one_by_one, scale=scale)
+    # Rows past the last one with context are padding; a dynamic grid skips them.
+    num_programs = jnp.max(jnp.where(context_lens > 0, jnp.arange(1, seqs + 1), 0)) if tiling.dynamic_grid else seqs
     out = pl.pallas_call(
         kernel,
-        grid=(seqs, kv_heads // per_program),
-        in_specs=[anywhere, anywhere, q_spec, anywhere, anywhere],
-        out_specs=q_spec,
+        grid=(num_programs, kv_heads // per_program),
+        in_specs=[anywhere] * 5,
+        out_specs=anywhere,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="paged_decode_attention",
     )(block_tables, context_lens, q_tiles, k_cache, v_cache)
-    return out[:, :, :group].reshape(seqs, q_heads, head_dim)
+    out = jnp.where((context_lens > 0)[:, None, None, None], out[:, :, :group], 0)
+    return out.reshape(seqs, q_heads, head_dim)

@@ -29,6 +29,9 @@ class Tiling:
     tokens_per_tile: query tokens of one sequence per program (ragged kernel).
     pow2: pad every tile side to a power of two (Triton requires it).
     one_by_one: read KV blocks one dynamic slice each (see ``layout.load_blocks``).
+    dynamic_grid: launch only the programs with work (the grid size is a traced value).
+        Interpret mode pays tens of microseconds for every program, even an empty one, so
+        padding sequences and unused tiles must not get programs; Triton needs a static grid.
     """
 
     heads_per_program: int
@@ -37,6 +40,7 @@ class Tiling:
     tokens_per_tile: int
     pow2: bool
     one_by_one: bool
+    dynamic_grid: bool
 
     def heads(self, num_kv_heads: int) -> int:
         """KV heads per program for a model with ``num_kv_heads``."""
@@ -61,8 +65,10 @@ def _next_pow2(n: int) -> int:
 
 
 # Measured with benchmarks/kernels.py: 128 keys per step beats 64 and 256 in interpret mode.
-CPU = Tiling(heads_per_program=0, keys_per_step=128, min_tile_rows=1, tokens_per_tile=32, pow2=False, one_by_one=True)
-GPU = Tiling(heads_per_program=1, keys_per_step=16, min_tile_rows=16, tokens_per_tile=16, pow2=True, one_by_one=False)
+CPU = Tiling(heads_per_program=0, keys_per_step=128, min_tile_rows=1, tokens_per_tile=32, pow2=False, one_by_one=True,
+             dynamic_grid=True)
+GPU = Tiling(heads_per_program=1, keys_per_step=16, min_tile_rows=16, tokens_per_tile=16, pow2=True, one_by_one=False,
+             dynamic_grid=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +76,8 @@ class QueryTiles:
     """Ragged query rows cut into tiles of at most ``tokens`` tokens of one sequence.
 
     seq, start, length: int32[num_tiles], the tile's sequence, its first query
-    index within that sequence and its token count (0 for unused tiles);
+    index within that sequence and its token count (0 for unused tiles, which
+    come last); first_token: int32[num_tiles], the tile's first row of ``q``;
     first_tile: int32[seqs]; query_start_loc: int32[seqs + 1];
     query_lens: int32[seqs].
     """
@@ -78,6 +85,7 @@ class QueryTiles:
     seq: jax.Array
     start: jax.Array
     length: jax.Array
+    first_token: jax.Array
     first_tile: jax.Array
     query_start_loc: jax.Array
     query_lens: jax.Array
@@ -87,6 +95,11 @@ class QueryTiles:
     def max_tiles(num_tokens: int, num_seqs: int, tokens: int) -> int:
         """A static bound on the tiles ``num_tokens`` split over ``num_seqs`` can need."""
         return -(-num_tokens // tokens) + num_seqs
+
+    @property
+    def num_used(self):
+        """Tiles holding at least one token (they come first): a traced int32 scalar."""
+        return jnp.sum(self.length > 0).astype(jnp.int32)
 
     @classmethod
     def build(cls, query_start_loc, tokens: int, num_tiles: int) -> "QueryTiles":
@@ -98,24 +111,26 @@ class QueryTiles:
         seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), query_lens.shape[0] - 1).astype(jnp.int32)
         start = (tile - first_tile[seq]) * tokens
         length = jnp.where(tile < tile_end[-1], jnp.clip(query_lens[seq] - start, 0, tokens), 0)
-        return cls(seq, start.astype(jnp.int32), length.astype(jnp.int32), first_tile,
+        first_token = (query_start_loc[seq] + start).astype(jnp.int32)
+        return cls(seq, start.astype(jnp.int32), length.astype(jnp.int32), first_token, first_tile,
                    query_start_loc, query_lens.astype(jnp.int32), tokens)
 
-    def gather(self, q, kv_heads: int, rows: int):
-        """q: [tokens, q_heads, d] → [kv_heads, tiles, self.tokens * rows, d].
+    def grouped(self, q, kv_heads: int, rows: int):
+        """q: [tokens, q_heads, d] → [kv_heads, (tokens + self.tokens) * rows, d].
 
-        Row ``t * rows + g`` of a tile is query head ``g`` of the group of its
-        ``t``-th token; rows past the group size are zero.
+        Row ``t * rows + g`` holds query head ``g`` of KV head's group for token ``t``, so a
+        tile's rows are contiguous: ``first_token * rows`` onwards. Rows past the group size,
+        and one tile of tokens at the end (so no tile reads past the array), are zero.
         """
         num_tokens, q_heads, head_dim = q.shape
         group = q_heads // kv_heads
-        row_token = self.query_start_loc[self.seq][:, None] + self.start[:, None] + jnp.arange(self.tokens)
-        grouped = jnp.pad(q.reshape(num_tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-        tiles = grouped[jnp.minimum(row_token, num_tokens - 1)]  # [tiles, tokens, kv, rows, d]
-        return tiles.transpose(2, 0, 1, 3, 4).reshape(kv_heads, self.seq.shape[0], self.tokens * rows, head_dim)
+        grouped = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+        grouped = jnp.pad(grouped, ((0, 0), (0, self.tokens), (0, rows - group), (0, 0)))
+        return grouped.reshape(kv_heads, (num_tokens + self.tokens) * rows, head_dim)
 
     def scatter(self, out_tiles, num_tokens: int, group: int):
-        """Inverse of :meth:`gather`: [kv_heads, tiles, tokens * rows, d] → [num_tokens, q_heads, d].
+        """Per-tile outputs [kv_heads, tiles, self.tokens * rows, d] (rows laid out as in
+        :meth:`grouped`) → [num_tokens, q_heads, d].
 
         Tokens owned by no sequence (padding) come out as zeros.
         """

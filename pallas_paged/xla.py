@@ -48,10 +48,12 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     tokens_per_tile = min(tokens_per_tile, num_tokens)
     num_tiles = QueryTiles.max_tiles(num_tokens, block_tables.shape[0], tokens_per_tile)
     tiles = QueryTiles.build(query_start_loc, tokens_per_tile, num_tiles)
-    q_tiles = tiles.gather(q, kv_heads, group).transpose(1, 0, 2, 3)  # [tiles, kv, rows, d]
+    grouped = tiles.grouped(q, kv_heads, group)
+    tile_rows = tokens_per_tile * group
 
     def one(args):
-        q_tile, seq, start = args
+        seq, start, first_token = args
+        q_tile = jax.lax.dynamic_slice_in_dim(grouped, first_token * group, tile_rows, axis=1)
         k = _gather_blocks(k_cache, block_tables[seq])
         v = _gather_blocks(v_cache, block_tables[seq])
         first_pos = context_lens[seq] - tiles.query_lens[seq] + start
@@ -60,5 +62,5 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
         state = softmax.update(softmax.initial_state(q_tile), q_tile, k, v, 0, context_lens[seq], query_pos)
         return softmax.finish(state).astype(q.dtype)
 
-    out = jax.lax.map(one, (q_tiles, tiles.seq, tiles.start))
+    out = jax.lax.map(one, (tiles.seq, tiles.start, tiles.first_token))
     return tiles.scatter(out.transpose(1, 0, 2, 3), num_tokens, group)
