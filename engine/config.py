@@ -1,0 +1,101 @@
+"""The engine's settings (vLLM's names) and what follows from them once the model is known."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+import pallas_paged
+from engine.block_manager import RESERVATIONS, BlockManagerConfig
+from engine.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
+from models import ModelConfig
+
+DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user can set; see ``LLM`` for the meaning of each field.
+
+    ``model`` None is SmolLM2-135M-Instruct. ``num_blocks`` fixes the device pool exactly;
+    otherwise ``kv_cache_memory`` bytes (default 1 GiB) decide it. ``swap_space`` is GiB
+    of host blocks. ``max_num_batched_tokens`` (tokens per step; longer prompts are prefilled
+    in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
+    start; without it each shape compiles the first time a step needs it.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    swap_space: float = 4
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False
+    preemption_mode: str | None = None
+    reservation: str = "paged"
+    policy: str = "fcfs"
+    seed: int = 0
+    warmup: bool = True
+
+    def __post_init__(self):
+        checks = [
+            (self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype),
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two up to 256",
+             self.block_size),
+            (self.num_blocks is None or self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes",
+             self.kv_cache_memory),
+            (self.swap_space >= 0, "swap_space", ">= 0 GiB", self.swap_space),
+            (self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len),
+            (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
+             self.preemption_mode),
+            (self.reservation in RESERVATIONS, "reservation", f"one of {RESERVATIONS}", self.reservation),
+            (self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy),
+        ]
+        for ok, field, allowed, value in checks:
+            if not ok:
+                raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+    @property
+    def param_dtype(self) -> str:
+        return DTYPES[self.dtype]
+
+    def kv_cache_spec(self, model: ModelConfig) -> pallas_paged.KVCacheSpec:
+        """The device KV cache for ``model``: ``num_blocks`` or as many as ``kv_cache_memory`` holds."""
+        spec = pallas_paged.KVCacheSpec(1, self.block_size, model.num_kv_heads, model.head_dim, model.num_layers,
+                                        jnp.dtype(self.param_dtype))
+        num_blocks = self.num_blocks or max(1, (self.kv_cache_memory or _GIB) // spec.bytes_per_block)
+        return dataclasses.replace(spec, num_blocks=num_blocks)
+
+    def model_len(self, model: ModelConfig) -> int:
+        """Longest prompt plus output: the user's limit, or the model's."""
+        if self.max_model_len and self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of "
+                             f"{model.max_position_embeddings} positions; lower max_model_len")
+        return self.max_model_len or model.max_position_embeddings
+
+    def scheduler_config(self, model: ModelConfig, spec: pallas_paged.KVCacheSpec) -> SchedulerConfig:
+        max_model_len = self.model_len(model)
+        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        num_host_blocks = int(self.swap_space * _GIB // spec.bytes_per_block)
+        return SchedulerConfig(
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            preemption_mode=self.preemption_mode,
+            policy=self.policy,
+            block_manager=BlockManagerConfig(
+                block_size=self.block_size,
+                num_device_blocks=spec.num_blocks,
+                num_host_blocks=num_host_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                reservation=self.reservation,
+                max_model_len=max_model_len,
+            ),
+        )

@@ -1,0 +1,47 @@
+"""Incremental detokenisation and stop strings.
+
+Decoding token by token is wrong for byte-level BPE (a character may span tokens, and
+spaces depend on neighbours), and decoding everything every step is quadratic. Instead each
+sequence keeps two offsets into its tokens: text is decoded from ``prefix_offset`` (the
+tokens of the previous piece, as context) and only what lies past ``read_offset`` is new. A piece that ends in an
+incomplete UTF-8 character (decoded as U+FFFD) is held back until the next token completes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Text so far and where the next decode starts (offsets into the output token ids)."""
+
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+def decode_next(tokenizer, token_ids, state: DecodeState, *, skip_special_tokens: bool) -> DecodeState:
+    """Extend ``state.text`` with whatever the output ``token_ids`` (all of them so far) add."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
+    prefix_text = decode(token_ids[state.prefix_offset : state.read_offset])
+    full_text = decode(token_ids[state.prefix_offset :])
+    if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+        return state
+    return DecodeState(state.text + full_text[len(prefix_text) :], state.read_offset, len(token_ids))
+
+
+def find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
+    """Where the earliest stop string starting in the last ``new_chars`` (plus overlap) characters is.
+
+    Returns (index in text, the stop string) or None.
+    """
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best

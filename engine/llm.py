@@ -1,0 +1,155 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.scheduler import InvalidRequestError
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """What the KV cache holds right now, and totals since start."""
+
+    device_blocks_total: int
+    device_blocks_free: int
+    host_blocks_total: int
+    host_blocks_free: int
+    num_preemptions: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    blocks_saved_by_sharing: int
+
+
+class LLM:
+    """A model with a paged KV cache, ready to generate.
+
+    model: a Hugging Face directory, a ``.gguf`` file, or None for SmolLM2-135M-Instruct.
+    dtype: "auto" (float32), "float32" or "bfloat16". block_size: tokens per KV block.
+    num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes, 1 GiB by
+    default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
+    max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
+    max_model_len: prompt plus output limit (default: the model's). enable_prefix_caching:
+    reuse KV blocks of identical prompt prefixes. preemption_mode: "recompute", "swap", or
+    None to choose per request. reservation: "paged" or a baseline of the paper ("orca-max",
+    "orca-pow2", "orca-oracle"). seed: for requests without their own. policy: "fcfs"
+    (continuous batching) or "static" (a batch runs until all its members finish). warmup:
+    compile every step shape now (else on first use).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None, swap_space: float = 4,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False,
+                 preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
+                 policy: str = "fcfs", warmup: bool = True):
+        config = EngineConfig(
+            model=model, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory, swap_space=swap_space, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+            reservation=reservation, seed=seed, policy=policy, warmup=warmup)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        A request that cannot run (e.g. a prompt longer than max_model_len) comes back with
+        ``error`` set and no outputs; the others are unaffected.
+        """
+        prompts = _as_list(prompts)
+        params = _params_for(prompts, sampling_params or SamplingParams())
+        return self._run([(prompt, p) for prompt, p in zip(prompts, params)], use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
+        list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt(conversation, add_generation_prompt) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[RequestOutput]:
+        """Beam search for every prompt; each output lists the ``beam_width`` best sequences, best first."""
+        outputs = self._run([(prompt, params) for prompt in _as_list(prompts)], use_tqdm)
+        tokenizer = self.engine.tokenizer
+        return [dataclasses.replace(out, outputs=tuple(
+            dataclasses.replace(c, text=tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer else "")
+            for c in out.outputs)) for out in outputs]
+
+    def cache_stats(self) -> CacheStats:
+        stats = self.engine.stats()
+        blocks = stats.blocks
+        return CacheStats(blocks.device_blocks_total, blocks.device_blocks_free, blocks.host_blocks_total,
+                          blocks.host_blocks_free, stats.num_preemptions, blocks.prefix_cache_hits,
+                          blocks.prefix_cache_queries, blocks.blocks_saved_by_sharing)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        order, results = [], {}
+        for prompt, params in requests:
+            request_id = f"offline-{next(self._ids)}"
+            order.append(request_id)
+            try:
+                engine.add_request(request_id, prompt, params)
+            except InvalidRequestError as error:
+                results[request_id] = _refused(request_id, prompt, str(error))
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output {engine.counters.generation_tokens / elapsed:.1f} toks/s")
+        bar.close()
+        return [results[request_id] for request_id in order]
+
+
+def _as_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_for(prompts, params):
+    if isinstance(params, (SamplingParams, BeamSearchParams)):
+        return [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+    return params
+
+
+def _refused(request_id: str, prompt, reason: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    ids = () if isinstance(prompt, str) else tuple(prompt)
+    return RequestOutput(request_id, text, ids, (), finished=True, error=reason)
+
+
+__all__ = ["LLM", "CacheStats", "CompletionOutput"]

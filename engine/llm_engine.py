@@ -1,0 +1,281 @@
+"""The engine loop: one iteration of continuous batching per ``step()``.
+
+    scheduler decides → cache engine moves blocks → runner computes logits → sampler picks
+    → requests record text and stop → scheduler records
+
+``LLMEngine`` is the one place with side effects: it owns the device caches, the compiled
+programs, the scheduler's (immutable) state and each request's progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import numpy as np
+
+import models
+from engine import beam_search
+from engine import scheduler as sch
+from engine.cache_engine import CacheEngine
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.requests import RequestState, SeqProgress
+from engine.runner import ModelRunner
+from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
+from engine.step_sampling import Row, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_model(model: str | None, dtype: str) -> models.LoadedModel:
+    """Load once per process: engines of the same model share its (immutable) parameters."""
+    return models.load_model(model, dtype=dtype)
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """Totals since start, for metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    """Requests in, ``RequestOutput``s out, one batched model step at a time."""
+
+    def __init__(self, config: EngineConfig):
+        start = time.monotonic()
+        self.config = config
+        self.model_config, params, self.tokenizer = _load_model(config.model, config.param_dtype)
+        spec = config.kv_cache_spec(self.model_config)
+        self.scheduler_config = config.scheduler_config(self.model_config, spec)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks)
+        self.runner = ModelRunner(self.model_config, params, block_size=config.block_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
+        loaded = time.monotonic()
+        if config.warmup:
+            self.cache.kv_caches = self.runner.warm_up(self.cache.kv_caches)
+        self.warmup_seconds = time.monotonic() - loaded
+        self.startup_seconds = time.monotonic() - start
+        self.state = sch.initial_state(self.scheduler_config)
+        self.requests: dict[str, RequestState] = {}
+        self.counters = EngineCounters()
+        self._seeds = np.random.default_rng(config.seed)
+        self.eos_token_ids = self.model_config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else ())
+        log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens", self.startup_seconds,
+                 self.warmup_seconds, spec.num_slots)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.spec.num_slots
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams,
+                    *, expected_output_len: int | None = None) -> None:
+        """Queue a request. Raises ``InvalidRequestError`` (nothing queued) for a prompt that
+        is empty, too long for ``max_model_len``, or holds unknown token ids."""
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(request_id, token_ids)
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        self.state = sch.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
+                                     expected_output_len=expected_output_len)
+        group = sch.find_group(self.state, request_id)
+        seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else int(
+            self._seeds.integers(2**31))
+        request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
+                               seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids))
+        request.seqs = {seq.seq_id: SeqProgress(index=i) for i, seq in enumerate(group.seqs)}
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if isinstance(params, BeamSearchParams):
+            request.beams = beam_search.start(params.beam_width)
+            request.beam_seq_ids = [seq.seq_id for seq in group.seqs]
+        self.requests[request_id] = request
+
+    def _check_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free every block it holds."""
+        self.state = sch.abort(self.state, request_id)
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            request.aborted = True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the requests that changed."""
+        self.state, plan = sch.schedule(self.state)
+        touched: dict[str, RequestState] = {}
+        for request_id, reason in plan.ignored:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.error = reason
+                touched[request_id] = request
+        self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        actions = self._run(plan.scheduled, touched) if plan.scheduled else []
+        self.state = sch.update(self.state, actions)
+        self.counters.steps += 1
+        return self._collect(touched)
+
+    def _run(self, works, touched) -> list:
+        logits_tokens, rows, prompt_rows = self._logits_plan(works)
+        inputs = self.runner.prepare(works, logits_tokens)
+        logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
+        self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits, prompt_rows)
+        if not rows:
+            return []
+        sampled = sample_rows(logits, rows)
+        actions, next_child = [], self.state.next_seq_id
+        by_request: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_request.setdefault(row.request.request_id, []).append(i)
+        for request_id, indices in by_request.items():
+            request = self.requests[request_id]
+            touched[request_id] = request
+            if request.is_beam_search:
+                new_actions, next_child = self._beam_step(request, indices, sampled, next_child)
+                actions += new_actions
+            else:
+                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
+        return actions
+
+    def _logits_plan(self, works):
+        """Which token rows need logits: the last of every sampling work (one sampler row per
+        sequence), and every token of prefills whose request wants prompt log-probabilities."""
+        logits_tokens, rows, prompt_rows, cursor = [], [], [], 0
+        for work in works:
+            request = self.requests.get(work.request_id)
+            n = len(work.token_ids)
+            if request is not None and work.is_prefill and request.prompt_logprobs is not None:
+                prompt_rows.append((request, work, len(logits_tokens)))
+                logits_tokens += range(cursor, cursor + n)
+            elif request is not None and work.do_sample:
+                logits_tokens.append(cursor + n - 1)
+            if request is not None and work.do_sample:
+                rows += [Row(len(logits_tokens) - 1, request, seq_id) for seq_id in work.seq_ids]
+            cursor += n
+        return logits_tokens, rows, prompt_rows
+
+    def _sample_step(self, request: RequestState, rows, indices, sampled) -> list:
+        actions = []
+        for row, i in zip(rows, indices):
+            top = None
+            if request.num_logprobs:
+                top = dict(zip(sampled.top_tokens[i, : request.num_logprobs].tolist(),
+                               sampled.top_logprobs[i, : request.num_logprobs].tolist()))
+            token = int(sampled.tokens[i])
+            stop = request.record(row.seq_id, token, float(sampled.logprobs[i]), top, self.tokenizer)
+            self.counters.generation_tokens += 1
+            actions.append(Append(row.seq_id, token))
+            if stop:
+                reason = request.seqs[row.seq_id].finish_reason
+                actions.append(Finish(row.seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop"
+                                      else SequenceStatus.FINISHED_LENGTH))
+        return actions
+
+    def _beam_step(self, request: RequestState, indices, sampled, next_child: int):
+        params: BeamSearchParams = request.params
+        width = 2 * params.beam_width
+        proposals = [list(zip(sampled.top_tokens[i, :width].tolist(), sampled.top_logprobs[i, :width].tolist()))
+                     for i in indices]
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.beams, choices = beam_search.step(
+            request.beams, proposals, width=params.beam_width, eos_token_ids=request.eos_token_ids,
+            ignore_eos=params.ignore_eos, max_tokens=request.max_tokens, length_penalty=params.length_penalty,
+            early_stopping=True)
+        self.counters.generation_tokens += len(indices)
+        old_ids = request.beam_seq_ids
+        if not choices:
+            return [Finish(seq_id, SequenceStatus.FINISHED_STOPPED) for seq_id in old_ids], next_child
+        actions, new_ids, used = [], [], set()
+        for choice in choices:
+            parent = old_ids[choice.parent]
+            if parent in used:
+                actions.append(Fork(parent, next_child, choice.token))
+                new_ids.append(next_child)
+                next_child += 1
+            else:
+                actions.append(Append(parent, choice.token))
+                new_ids.append(parent)
+                used.add(parent)
+        actions += [Drop(seq_id) for seq_id in old_ids if seq_id not in used]
+        request.beam_seq_ids = new_ids
+        return actions, next_child
+
+    def _record_prompt_logprobs(self, logits, prompt_rows) -> None:
+        from engine.sampler import prompt_logprobs
+
+        for request, work, first_row in prompt_rows:
+            positions = range(work.start, work.start + len(work.token_ids))
+            wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
+                      if p + 1 < len(request.prompt_token_ids) and len(request.prompt_logprobs) == p + 1]
+            if not wanted:
+                continue
+            num_top = max(request.params.prompt_logprobs, 1)
+            rows = np.array([r for _, r in wanted], np.int32)
+            next_tokens = np.array([request.prompt_token_ids[p + 1] for p, _ in wanted], np.int32)
+            chosen, top_tokens, top_logprobs = (np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens,
+                                                                                         num_top))
+            for j, (p, _) in enumerate(wanted):
+                entry = {int(next_tokens[j]): float(chosen[j])}
+                if request.params.prompt_logprobs:
+                    entry.update(zip(top_tokens[j].tolist(), top_logprobs[j].tolist()))
+                request.prompt_logprobs.append(entry)
+
+    def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """Outputs of the changed requests; finished ones leave the engine."""
+        for group in self.state.finished:
+            request = self.requests.get(group.request_id)
+            if request is None:
+                continue
+            for seq in group.seqs:
+                progress = request.seqs.get(seq.seq_id)
+                if progress is not None and progress.finish_reason is None and seq.status.is_finished:
+                    progress.finish_reason = "length" if seq.status is SequenceStatus.FINISHED_LENGTH else "stop"
+            touched[group.request_id] = request
+        self.state = dataclasses.replace(self.state, finished=())
+        outputs = []
+        for request_id, request in touched.items():
+            outputs.append(request.output())
+            if request.finished:
+                self.requests.pop(request_id, None)
+        return outputs
+
+    def stats(self) -> sch.SchedulerStats:
+        return sch.stats(self.state)

@@ -1,0 +1,150 @@
+"""The engine's per-request bookkeeping: what each sequence has produced, and when it stops.
+
+The scheduler holds the token ids that decide memory; this side holds what only the user
+sees (text, log-probabilities, finish reasons) and applies the stop rules of a request's
+``SamplingParams``. It is the one mutable record per request, owned by ``LLMEngine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from engine import beam_search
+from engine.detokenizer import DecodeState, decode_next, find_stop
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclasses.dataclass
+class SeqProgress:
+    """What one sequence has produced: tokens, text, log-probabilities, and why it ended."""
+
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprobs] | None = None
+    decoded: DecodeState = DecodeState()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.decoded.text,
+            token_ids=tuple(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request as the engine sees it. ``seqs`` maps scheduler seq_ids to their progress."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams | BeamSearchParams
+    seed: int
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    seqs: dict[int, SeqProgress] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    beams: beam_search.BeamState | None = None
+    beam_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    aborted: bool = False
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to report per generated token (None: no logprobs asked)."""
+        return None if self.is_beam_search else self.params.logprobs
+
+    @property
+    def finished(self) -> bool:
+        if self.error is not None or self.aborted:
+            return True
+        if self.is_beam_search:
+            return self.beams is not None and self.beams.done
+        return bool(self.seqs) and all(seq.finish_reason is not None for seq in self.seqs.values())
+
+    def banned_tokens(self, seq_id: int) -> tuple[int, ...]:
+        """Tokens this sequence may not produce yet (EOS and stop tokens before ``min_tokens``)."""
+        params = self.params
+        if self.is_beam_search or len(self.seqs[seq_id].token_ids) >= params.min_tokens:
+            return ()
+        return tuple(set(self.eos_token_ids) | set(params.stop_token_ids))
+
+    def record(self, seq_id: int, token: int, logprob: float, top: TokenLogprobs | None, tokenizer) -> bool:
+        """Add a sampled token to a sequence; returns True if the sequence must stop now."""
+        seq = self.seqs[seq_id]
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if self.params.logprobs is not None:
+            seq.logprobs = seq.logprobs or []
+            seq.logprobs.append({token: logprob, **(top or {})})
+        before = len(seq.decoded.text)
+        if tokenizer is not None:
+            seq.decoded = decode_next(tokenizer, seq.token_ids, seq.decoded,
+                                      skip_special_tokens=self.params.skip_special_tokens)
+        seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
+        return seq.finish_reason is not None
+
+    def _stop_reason(self, seq: SeqProgress, token: int, new_chars: int) -> tuple[str | None, str | int | None]:
+        params = self.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        found = find_stop(seq.decoded.text, params.stop, new_chars) if params.stop else None
+        if found is not None:
+            index, stop = found
+            seq.decoded = dataclasses.replace(seq.decoded, text=seq.decoded.text[:index])
+            return "stop", stop
+        if len(seq.token_ids) >= self.max_tokens:
+            return "length", None
+        return None, None
+
+    def output(self) -> RequestOutput:
+        """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running."""
+        completions = [seq.completion() for seq in self.seqs.values()]
+        if self.is_beam_search:
+            completions = self._beam_completions()
+        elif self.finished and self.params.best_of > self.params.n:
+            completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
+            completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
+        finished = self.finished
+        if finished and self.finished_time is None:
+            self.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=tuple(sorted(completions, key=lambda c: c.index)),
+            finished=finished,
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            error=self.error,
+            metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
+        )
+
+    def _beam_completions(self) -> list[CompletionOutput]:
+        if self.beams is None or not self.beams.done:
+            return []
+        beams = beam_search.results(self.beams, self.params.beam_width)
+        return [
+            CompletionOutput(index=i, text="", token_ids=beam.tokens, cumulative_logprob=beam.logprob, logprobs=None,
+                             finish_reason="stop" if beam.tokens and beam.tokens[-1] in self.eos_token_ids else "length")
+            for i, beam in enumerate(beams)
+        ]

@@ -1,0 +1,159 @@
+"""Turning a step's scheduled work into padded arrays, and running the model on them.
+
+Shapes are rounded up to a few buckets so that a handful of compiled programs serve every
+step: decode-only steps by their number of sequences, other steps by their number of tokens
+(their sequence arrays always have ``max_num_seqs`` rows; padding rows compute nothing), and
+the rows whose logits are needed by their count. The model runs one jitted call per stage
+(embedding, each layer, head) rather than one call for the whole model: the layers share one
+compiled program, which makes a warm-up of every bucket take seconds instead of minutes, for
+a dispatch overhead of well under a millisecond per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from engine.scheduler import ScheduledGroupWork
+from models import Metadata
+
+log = logging.getLogger(__name__)
+
+
+# One jitted function per stage for the whole process, keyed by the (hashable) model config:
+# every engine of the same model shares the compiled programs.
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(config, params, input_ids, positions):
+    return models.stages(config).embed(params, input_ids, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
+def _layer(config, layer_params, x, positions, metadata, kv_cache):
+    return models.stages(config).layer(layer_params, x, positions, metadata, kv_cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head(config, params, x, rows):
+    return models.stages(config).head(params, x, rows)
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2*low, ... up to the first power of two >= high (inclusive)."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def bucket(sizes: Sequence[int], n: int) -> int:
+    """The smallest size that holds ``n``."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """One step's device arrays. input_ids, positions: int32[T]; logits_rows: int32[L]
+    (indices into the T tokens); ``num_logits`` of the L rows are real."""
+
+    input_ids: jax.Array
+    positions: jax.Array
+    metadata: Metadata
+    logits_rows: jax.Array
+    num_logits: int
+
+
+class ModelRunner:
+    """Runs the model for a scheduled step; owns the compiled programs and their buckets."""
+
+    def __init__(self, config: models.ModelConfig, params, *, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int):
+        self.config = config
+        self.params = params
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.decode_buckets = powers_of_two(1, max_num_seqs)
+        self.token_buckets = powers_of_two(16, max_num_batched_tokens)
+
+    def prepare(self, works: Sequence[ScheduledGroupWork], logits_tokens: Sequence[int]) -> StepInputs:
+        """Padded arrays for ``works``; ``logits_tokens`` are indices (into the concatenated
+        tokens of ``works``) whose logits are wanted."""
+        num_tokens = sum(len(work.token_ids) for work in works)
+        decode_only = num_tokens == len(works)
+        if decode_only:
+            num_rows = num_padded = bucket(self.decode_buckets, len(works))
+        else:
+            num_rows, num_padded = self.max_num_seqs, bucket(self.token_buckets, num_tokens)
+        input_ids = np.zeros(num_padded, np.int32)
+        positions = np.zeros(num_padded, np.int32)
+        slot_mapping = np.full(num_padded, -1, np.int32)
+        block_tables = np.zeros((num_rows, self.max_blocks), np.int32)
+        context_lens = np.zeros(num_rows, np.int32)
+        query_start_loc = np.zeros(num_rows + 1, np.int32)
+        cursor = 0
+        for row, work in enumerate(works):
+            n = len(work.token_ids)
+            span = slice(cursor, cursor + n)
+            input_ids[span] = work.token_ids
+            positions[span] = np.arange(work.start, work.start + n)
+            table = np.asarray(work.block_table, np.int32)
+            block_tables[row, : len(table)] = table
+            slot_mapping[span] = table[positions[span] // self.block_size] * self.block_size + positions[span] % self.block_size
+            context_lens[row] = work.context_len
+            cursor += n
+            query_start_loc[row + 1 :] = cursor
+        logits_rows = np.zeros(bucket(self.token_buckets if len(logits_tokens) > self.max_num_seqs
+                                      else self.decode_buckets, max(len(logits_tokens), 1)), np.int32)
+        logits_rows[: len(logits_tokens)] = logits_tokens
+        metadata = Metadata(
+            slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
+            context_lens=jnp.asarray(context_lens), query_start_loc=jnp.asarray(query_start_loc),
+            logits_indices=jnp.asarray(logits_rows), decode_only=decode_only,
+        )
+        return StepInputs(jnp.asarray(input_ids), jnp.asarray(positions), metadata, jnp.asarray(logits_rows),
+                          len(logits_tokens))
+
+    def run(self, inputs: StepInputs, kv_caches):
+        """Run every stage. Returns (float32 logits [L, vocab], new kv_caches); the first
+        ``inputs.num_logits`` rows are the ones asked for (the rest is padding).
+
+        The caches are donated: use the returned ones.
+        """
+        x = _embed(self.config, self.params, inputs.input_ids, inputs.positions)
+        new_caches = []
+        for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
+            x, kv_cache = _layer(self.config, layer_params, x, inputs.positions, inputs.metadata, kv_cache)
+            new_caches.append(kv_cache)
+        logits = _head(self.config, self.params, x, inputs.logits_rows)
+        return logits, new_caches
+
+    def warm_up(self, kv_caches):
+        """Compile every bucket now, so no step ever waits for the compiler. Returns the caches."""
+        start = time.monotonic()
+        shapes = [(1, size, size) for size in self.decode_buckets]
+        shapes += [(2, size, rows) for size in self.token_buckets for rows in self.decode_buckets if rows <= size]
+        for kind, num_tokens, num_logits in shapes:
+            works = self._dummy_works(kind, num_tokens)
+            inputs = self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits)
+            logits, kv_caches = self.run(inputs, kv_caches)
+        jax.block_until_ready(kv_caches)
+        log.info("compiled %d step shapes in %.1f s", len(shapes), time.monotonic() - start)
+        return kv_caches
+
+    def _dummy_works(self, kind: int, num_tokens: int) -> list[ScheduledGroupWork]:
+        """Work of the right shape that writes only padding slots of block 0."""
+        if kind == 1:
+            return [ScheduledGroupWork("warm-up", (i,), (0,), 0, (0,), False, True) for i in range(num_tokens)]
+        return [ScheduledGroupWork("warm-up", (0,), (0,) * num_tokens, 0, (0,) * -(-num_tokens // self.block_size),
+                                   True, True)]

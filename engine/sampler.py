@@ -1,0 +1,178 @@
+"""Picking the next token for a whole batch in one jitted call, each row with its own parameters.
+
+Order, as in vLLM: penalties on the logits, banned tokens (EOS before ``min_tokens``),
+temperature, then top-k, top-p and min-p truncation, then one draw from what is left. Greedy
+rows take the arg-max of the penalised logits. Each row's random number comes from
+``fold_in(fold_in(key(seed), sample_index), step)``, so a seeded request samples the same
+tokens whatever else is in the batch. Reported log-probabilities are the model's own (raw
+``log_softmax`` of the logits), as vLLM reports them by default.
+
+Everything avoids full sorts and per-element random numbers, which on a CPU cost 300 ms and
+7 ms for a 32 x 49152 batch: top-k uses ``lax.top_k`` with a bucketed k, top-p bisects for
+the probability threshold, and the draw inverts the cumulative distribution with one uniform
+number per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+_MIN_TEMPERATURE = 1e-5
+_BISECTION_STEPS = 24
+
+
+@flax.struct.dataclass
+class SamplingBatch:
+    """Per-row sampling parameters; every array has a leading [rows] axis.
+
+    temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty:
+    float32[rows]; top_k: int32[rows] (0 = off); seed: uint32[rows]; sample_index: int32[rows]
+    (which of a request's samples the row is); step: int32[rows] (tokens generated so far);
+    output_tokens: int32[rows, max_out] and prompt_tokens: int32[rows, max_prompt] (-1 padded,
+    only read when ``penalties``); banned: int32[rows, max_banned] (-1 padded).
+    Static: ``penalties``, ``top_p_or_min_p`` and ``all_greedy`` switch whole stages off;
+    ``max_top_k`` bounds every row's top_k (0: no row uses top-k); ``num_top_logprobs`` is how
+    many alternatives to return per row.
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    seed: jax.Array
+    sample_index: jax.Array
+    step: jax.Array
+    output_tokens: jax.Array
+    prompt_tokens: jax.Array
+    banned: jax.Array
+    penalties: bool = flax.struct.field(pytree_node=False, default=False)
+    top_p_or_min_p: bool = flax.struct.field(pytree_node=False, default=False)
+    max_top_k: int = flax.struct.field(pytree_node=False, default=0)
+    all_greedy: bool = flax.struct.field(pytree_node=False, default=True)
+    num_top_logprobs: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    """tokens: int32[rows]; logprobs: float32[rows] of the chosen tokens;
+    top_tokens, top_logprobs: [rows, num_top_logprobs], best first."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_tokens: jax.Array
+    top_logprobs: jax.Array
+
+
+def _token_mask(token_ids, vocab_size):
+    """token_ids: int32[rows, n] (-1 = none) → bool[rows, vocab], True where a row lists the token."""
+    rows = jnp.arange(token_ids.shape[0])[:, None]
+    index = jnp.where(token_ids < 0, vocab_size, token_ids)
+    return jnp.zeros((token_ids.shape[0], vocab_size), bool).at[rows, index].set(True, mode="drop")
+
+
+def apply_penalties(logits, batch: SamplingBatch):
+    """Repetition (HF: prompt and output, divide positive / multiply negative logits),
+    then frequency and presence (OpenAI: output tokens only). logits: float32[rows, vocab]."""
+    vocab = logits.shape[-1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    index = jnp.where(batch.output_tokens < 0, vocab, batch.output_tokens)
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, index].add(1.0, mode="drop")
+    seen = (counts > 0) | _token_mask(batch.prompt_tokens, vocab)
+    penalty = batch.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
+
+
+def argmax(x):
+    """First index of each row's maximum. x: float32[rows, vocab] → int32[rows].
+
+    Two plain reductions; XLA:CPU's variadic arg-max reduction is about 3x slower.
+    """
+    is_max = x == x.max(axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+
+
+def _top_p_floor(logits, top_p):
+    """The largest threshold whose tokens still hold ``top_p`` of the probability (bisection).
+
+    logits: float32[rows, vocab]; top_p: float32[rows]. Returns float32[rows, 1].
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    finite = jnp.where(jnp.isfinite(logits), logits, jnp.inf)
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = (low + high) / 2
+        enough = jnp.sum(jnp.where(logits >= middle, probs, 0.0), axis=-1, keepdims=True) >= top_p[:, None]
+        return jnp.where(enough, middle, low), jnp.where(enough, high, middle)
+
+    low = finite.min(axis=-1, keepdims=True)
+    high = logits.max(axis=-1, keepdims=True)
+    low, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, halve, (low, high))
+    return low
+
+
+def truncate(logits, batch: SamplingBatch):
+    """Mask (to -inf) what top-k, top-p and min-p remove. logits: float32[rows, vocab], temperature applied."""
+    keep = jnp.ones(logits.shape, bool)
+    if batch.max_top_k:
+        top_values, _ = jax.lax.top_k(logits, batch.max_top_k)
+        kth = jnp.take_along_axis(top_values, jnp.clip(batch.top_k - 1, 0, batch.max_top_k - 1)[:, None], axis=-1)
+        keep &= (batch.top_k[:, None] <= 0) | (logits >= kth)
+    if batch.top_p_or_min_p:
+        keep &= logits >= _top_p_floor(logits, batch.top_p)
+        keep &= logits >= logits.max(axis=-1, keepdims=True) + jnp.log(jnp.maximum(batch.min_p, 1e-30))[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _draw(logits, batch: SamplingBatch):
+    """One sample per row from softmax(logits), by inverting the cumulative distribution."""
+    def uniform(seed, sample_index, step):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
+        return jax.random.uniform(key, dtype=jnp.float32)
+
+    u = jax.vmap(uniform)(batch.seed, batch.sample_index, batch.step)
+    weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    cumulative = jnp.cumsum(weights, axis=-1)
+    index = jnp.sum(cumulative < u[:, None] * cumulative[:, -1:], axis=-1)
+    last_kept = logits.shape[-1] - 1 - argmax(jnp.isfinite(logits[:, ::-1]).astype(jnp.float32))
+    return jnp.minimum(index, last_kept).astype(jnp.int32)
+
+
+@jax.jit
+def sample(logits, batch: SamplingBatch, rows=None) -> SamplerOutput:
+    """logits: float32[n, vocab]; rows: optional int32[rows] picking (and repeating) logits rows,
+    default all. One token per row, with log-probabilities."""
+    logits = (logits if rows is None else logits[rows]).astype(jnp.float32)
+    processed = apply_penalties(logits, batch) if batch.penalties else logits
+    processed = jnp.where(_token_mask(batch.banned, logits.shape[-1]), -jnp.inf, processed)
+    tokens = argmax(processed)
+    if not batch.all_greedy:
+        scaled = processed / jnp.maximum(batch.temperature, _MIN_TEMPERATURE)[:, None]
+        if batch.max_top_k or batch.top_p_or_min_p:
+            scaled = truncate(scaled, batch)
+        tokens = jnp.where(batch.temperature < _MIN_TEMPERATURE, tokens, _draw(scaled, batch))
+    log_normaliser = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+    top_logits, top_tokens = jax.lax.top_k(logits, batch.num_top_logprobs)
+    return SamplerOutput(tokens, chosen, top_tokens.astype(jnp.int32), top_logits - log_normaliser[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def prompt_logprobs(logits, next_tokens, num_top: int):
+    """Log-probabilities of the actual next prompt tokens.
+
+    logits: float32[positions, vocab]; next_tokens: int32[positions]. Returns
+    (float32[positions], top tokens int32[positions, num_top], top logprobs [positions, num_top]).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
+    return chosen, top_tokens.astype(jnp.int32), top_logprobs

@@ -1,0 +1,109 @@
+"""What a request asks for: how to pick tokens and when to stop (vLLM's names and ranges)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+_GREEDY_EPSILON = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request. Invalid values raise ``ValueError`` naming the field.
+
+    n: completions returned. best_of: candidates generated, the ``n`` with the highest
+    cumulative log-probability returned (defaults to ``n``). temperature: 0 means greedy.
+    top_p, top_k (0 or -1 = off), min_p: truncate the distribution. presence_penalty,
+    frequency_penalty (OpenAI's, over generated tokens) and repetition_penalty (Hugging Face's,
+    over prompt and generated tokens). seed: makes this request's samples reproducible whatever
+    else is batched with it. stop / stop_token_ids end a completion (the stop string is cut
+    from the text); ignore_eos keeps going past EOS; min_tokens bans EOS and stop tokens until
+    that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
+    per generated / prompt token (0 = just the chosen token's).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.best_of is None:
+            object.__setattr__(self, "best_of", self.n)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(self)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the most likely token every step."""
+        return self.temperature < _GREEDY_EPSILON
+
+
+def _require(ok: bool, field: str, allowed: str, value, owner: str = "SamplingParams") -> None:
+    if not ok:
+        raise ValueError(f"{owner}.{field} must be {allowed}, got {value!r}")
+
+
+def _check(p: SamplingParams) -> None:
+    _require(isinstance(p.n, int) and p.n >= 1, "n", "an integer >= 1", p.n)
+    _require(isinstance(p.best_of, int) and p.best_of >= p.n, "best_of", f"an integer >= n ({p.n})", p.best_of)
+    _require(math.isfinite(p.temperature) and p.temperature >= 0, "temperature", ">= 0", p.temperature)
+    _require(0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
+    _require(isinstance(p.top_k, int) and p.top_k >= 0, "top_k", "-1, 0 (off) or a positive integer", p.top_k)
+    _require(0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
+    _require(-2 <= p.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", p.presence_penalty)
+    _require(-2 <= p.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", p.frequency_penalty)
+    _require(0 < p.repetition_penalty <= 20, "repetition_penalty", "in (0, 20]", p.repetition_penalty)
+    _require(p.seed is None or isinstance(p.seed, int), "seed", "an integer or None", p.seed)
+    _require(all(isinstance(s, str) and s for s in p.stop), "stop", "non-empty strings", p.stop)
+    _require(all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
+             "non-negative token ids", p.stop_token_ids)
+    _require(p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1), "max_tokens",
+             "an integer >= 1 or None", p.max_tokens)
+    _require(isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= (p.max_tokens or p.min_tokens), "min_tokens",
+             f"an integer in [0, max_tokens ({p.max_tokens})]", p.min_tokens)
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, field)
+        _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
+    if p.greedy:
+        _require(p.best_of == 1 or p.n == p.best_of, "best_of", "equal to n when temperature is 0 (greedy)",
+                 p.best_of)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search: keep ``beam_width`` candidates per step; score = log-prob / length**length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        owner = "BeamSearchParams"
+        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", "an integer >= 1",
+                 self.beam_width, owner)
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
+                 self.max_tokens, owner)
+        _require(math.isfinite(self.length_penalty), "length_penalty", "a finite number", self.length_penalty,
+                 owner)

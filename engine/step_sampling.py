@@ -1,0 +1,94 @@
+"""From one step's logits to sampled tokens: which rows to sample and with what parameters.
+
+Every sequence that samples this step gets one row; the rows of a prefill shared by ``n``
+sequences all read the logits of its last token. Row arrays are padded to a power of two
+(padding rows are greedy and discarded) so the sampler compiles for few shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from engine.requests import RequestState
+from engine.sampler import SamplingBatch, SamplerOutput, sample
+from engine.sampling_params import SamplingParams
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sampled row: the logits row it reads, its request and sequence."""
+
+    logits_row: int
+    request: RequestState
+    seq_id: int
+
+
+def _padded_tokens(token_lists, *, when: bool) -> np.ndarray:
+    """int32[rows, pow2(longest)] of token ids, -1 padded ([rows, 0] unless ``when``)."""
+    width = _pow2(max((len(t) for t in token_lists), default=1)) if when else 0
+    out = np.full((len(token_lists), width), -1, np.int32)
+    if when:
+        for i, tokens in enumerate(token_lists):
+            out[i, : len(tokens)] = tokens
+    return out
+
+
+def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
+    """The sampler's per-row parameters for ``rows``, padded to a power of two."""
+    size = _pow2(len(rows))
+    params = [row.request.params for row in rows]
+    sampling = [p if isinstance(p, SamplingParams) else SamplingParams(temperature=0.0) for p in params]
+    pad = size - len(rows)
+
+    def column(values, dtype, fill):
+        return jnp.asarray(np.array(list(values) + [fill] * pad, dtype))
+
+    penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in sampling)
+    outputs = [row.request.seqs[row.seq_id].token_ids for row in rows] + [[]] * pad
+    prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
+    banned = [row.request.banned_tokens(row.seq_id) for row in rows] + [()] * pad
+    top_k = max((p.top_k for p in sampling), default=0)
+    return SamplingBatch(
+        temperature=column((p.temperature for p in sampling), np.float32, 0.0),
+        top_p=column((p.top_p for p in sampling), np.float32, 1.0),
+        top_k=column((p.top_k for p in sampling), np.int32, 0),
+        min_p=column((p.min_p for p in sampling), np.float32, 0.0),
+        presence_penalty=column((p.presence_penalty for p in sampling), np.float32, 0.0),
+        frequency_penalty=column((p.frequency_penalty for p in sampling), np.float32, 0.0),
+        repetition_penalty=column((p.repetition_penalty for p in sampling), np.float32, 1.0),
+        seed=column((row.request.seed for row in rows), np.uint32, 0),
+        sample_index=column((row.request.seqs[row.seq_id].index for row in rows), np.int32, 0),
+        step=column((len(row.request.seqs[row.seq_id].token_ids) for row in rows), np.int32, 0),
+        output_tokens=jnp.asarray(_padded_tokens(outputs, when=penalties)),
+        prompt_tokens=jnp.asarray(_padded_tokens(prompts, when=penalties)),
+        banned=jnp.asarray(_padded_tokens(banned, when=any(banned))),
+        penalties=penalties,
+        top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
+        max_top_k=min(_pow2(top_k), 1 << 16) if top_k else 0,
+        all_greedy=all(p.greedy for p in sampling),
+        num_top_logprobs=_pow2(num_top) if num_top else 0,
+    )
+
+
+def sample_rows(logits, rows: list[Row]) -> SamplerOutput:
+    """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs)."""
+    num_top = max((_wanted_top(row.request) for row in rows), default=0)
+    batch = batch_for(rows, num_top)
+    index = np.zeros(batch.temperature.shape[0], np.int32)
+    index[: len(rows)] = [row.logits_row for row in rows]
+    out = sample(logits, batch, jnp.asarray(index))
+    return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
+                                                                 out.top_logprobs)))
+
+
+def _wanted_top(request: RequestState) -> int:
+    if request.is_beam_search:
+        return 2 * request.params.beam_width
+    return request.params.logprobs or 0

@@ -1,0 +1,40 @@
+"""Greedy output of the engine equals Hugging Face ``generate`` on the real SmolLM2, token for
+token, however the engine batches, queues, preempts, chunks or caches."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import NEW_TOKENS
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+COMMON = dict(max_model_len=512, block_size=16, swap_space=0.25, warmup=False)
+
+CONFIGS = {
+    "batched": dict(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512),
+    "queued": dict(num_blocks=256, max_num_seqs=3, max_num_batched_tokens=512),
+    "chunked_prefill": dict(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=16),
+    "prefix_caching": dict(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, enable_prefix_caching=True),
+    "preempt_recompute": dict(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=512, preemption_mode="recompute"),
+    "preempt_swap": dict(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=512, preemption_mode="swap"),
+}
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total, stats
+    assert stats.host_blocks_free == stats.host_blocks_total, stats
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_hugging_face(name, parity_prompts, hf_parity):
+    llm = LLM(**COMMON, **CONFIGS[name])
+    outputs = llm.generate(parity_prompts, GREEDY, use_tqdm=False)
+    for prompt, output, expected in zip(parity_prompts, outputs, hf_parity):
+        assert list(output.outputs[0].token_ids) == expected, llm.get_tokenizer().decode(prompt)
+    if name.startswith("preempt"):
+        assert llm.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
+    assert_all_blocks_free(llm)
