@@ -168,7 +168,8 @@ class LLMEngine:
             request = self.requests[request_id]
             touched[request_id] = request
             if request.is_beam_search:
-                new_actions, next_child = self._beam_step(request, indices, sampled, next_child)
+                by_seq = {rows[i].seq_id: i for i in indices}
+                new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
                 actions += new_actions
             else:
                 actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
@@ -208,18 +209,21 @@ class LLMEngine:
                                       else SequenceStatus.FINISHED_LENGTH))
         return actions
 
-    def _beam_step(self, request: RequestState, indices, sampled, next_child: int):
+    def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
+        """One beam-search step: proposals of every running beam (in the beam search's order),
+        then Append / Fork / Drop so the sequences follow the chosen beams."""
         params: BeamSearchParams = request.params
         width = 2 * params.beam_width
+        rows = [row_of_seq[seq_id] for seq_id in request.beam_seq_ids]
         proposals = [list(zip(sampled.top_tokens[i, :width].tolist(), sampled.top_logprobs[i, :width].tolist()))
-                     for i in indices]
+                     for i in rows]
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         request.beams, choices = beam_search.step(
             request.beams, proposals, width=params.beam_width, eos_token_ids=request.eos_token_ids,
             ignore_eos=params.ignore_eos, max_tokens=request.max_tokens, length_penalty=params.length_penalty,
             early_stopping=True)
-        self.counters.generation_tokens += len(indices)
+        self.counters.generation_tokens += len(rows)
         old_ids = request.beam_seq_ids
         if not choices:
             return [Finish(seq_id, SequenceStatus.FINISHED_STOPPED) for seq_id in old_ids], next_child

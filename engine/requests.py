@@ -78,6 +78,14 @@ class RequestState:
             return self.beams is not None and self.beams.done
         return bool(self.seqs) and all(seq.finish_reason is not None for seq in self.seqs.values())
 
+    def generated(self, seq_id: int) -> list[int]:
+        """Tokens sequence ``seq_id`` has produced (beams are tracked by the beam search instead)."""
+        return [] if self.is_beam_search else self.seqs[seq_id].token_ids
+
+    def sample_index(self, seq_id: int) -> int:
+        """Which of the request's samples ``seq_id`` is: its random stream."""
+        return 0 if self.is_beam_search else self.seqs[seq_id].index
+
     def banned_tokens(self, seq_id: int) -> tuple[int, ...]:
         """Tokens this sequence may not produce yet (EOS and stop tokens before ``min_tokens``)."""
         params = self.params

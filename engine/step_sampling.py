@@ -51,7 +51,7 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
         return jnp.asarray(np.array(list(values) + [fill] * pad, dtype))
 
     penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in sampling)
-    outputs = [row.request.seqs[row.seq_id].token_ids for row in rows] + [[]] * pad
+    outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
     prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
     banned = [row.request.banned_tokens(row.seq_id) for row in rows] + [()] * pad
     top_k = max((p.top_k for p in sampling), default=0)
@@ -64,8 +64,8 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
         frequency_penalty=column((p.frequency_penalty for p in sampling), np.float32, 0.0),
         repetition_penalty=column((p.repetition_penalty for p in sampling), np.float32, 1.0),
         seed=column((row.request.seed for row in rows), np.uint32, 0),
-        sample_index=column((row.request.seqs[row.seq_id].index for row in rows), np.int32, 0),
-        step=column((len(row.request.seqs[row.seq_id].token_ids) for row in rows), np.int32, 0),
+        sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
+        step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
         output_tokens=jnp.asarray(_padded_tokens(outputs, when=penalties)),
         prompt_tokens=jnp.asarray(_padded_tokens(prompts, when=penalties)),
         banned=jnp.asarray(_padded_tokens(banned, when=any(banned))),

@@ -1,0 +1,99 @@
+"""Requests as a user sees them: prefix caching, refusals, aborts, stop rules, prompt log-probs."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from engine.scheduler import InvalidRequestError
+from tests.engine.tiny import prompts, tiny_llm
+
+
+@pytest.fixture(scope="module")
+def llm_and_hf(tmp_path_factory):
+    return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaks(llm_and_hf):
+    yield
+    stats = llm_and_hf[0].cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
+    assert stats.host_blocks_free == stats.host_blocks_total
+
+
+def test_prefix_caching_prefills_only_the_suffix(llm_and_hf, tmp_path):
+    _, hf = llm_and_hf
+    cached, _ = tiny_llm("llama_gqa_tied", tmp_path, enable_prefix_caching=True)
+    prefix = list(range(3, 99))  # 96 tokens: 12 full blocks of 8
+    first, second = prefix + [60, 61, 62], prefix + [70, 71]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    cached.generate([first], greedy, use_tqdm=False)
+    before = cached.engine.counters.prompt_tokens
+    with_cache = cached.generate([second], greedy, use_tqdm=False)[0]
+    assert cached.engine.counters.prompt_tokens - before == len(second) - len(prefix)
+    assert cached.cache_stats().prefix_cache_hits >= len(prefix) // 8
+    without_cache = llm_and_hf[0].generate([second], greedy, use_tqdm=False)[0]
+    assert with_cache.outputs[0].token_ids == without_cache.outputs[0].token_ids
+
+
+def test_too_long_prompt_fails_alone_with_the_limit_in_the_message(llm_and_hf):
+    llm, hf = llm_and_hf
+    ok = prompts(2, hf.config.vocab_size, seed=9)
+    outputs = llm.generate([ok[0], list(range(3, 3 + 200)), ok[1]], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert outputs[1].error is not None and "200 tokens" in outputs[1].error and "max_model_len is 128" in outputs[1].error
+    assert outputs[1].finished and not outputs[1].outputs
+    assert all(len(o.outputs[0].token_ids) == 5 for o in (outputs[0], outputs[2]))
+
+
+def test_bad_token_ids_are_refused(llm_and_hf):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm_and_hf[0].engine.add_request("bad", [5, 10**6], SamplingParams())
+
+
+def test_abort_frees_every_block_and_others_finish(llm_and_hf):
+    llm, hf = llm_and_hf
+    engine = llm.engine
+    a, b = prompts(2, hf.config.vocab_size, seed=10)
+    engine.add_request("keep", a, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("drop", b, SamplingParams(n=3, max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().blocks.device_blocks_used > 0
+    engine.abort_request("drop")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["keep"]
+    assert len(finished[0].outputs[0].token_ids) == 20
+
+
+def test_stop_token_ids_min_tokens_and_logprobs(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=11)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    tokens = list(free[0].outputs[0].token_ids)
+    stop_at = tokens[4]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at],
+                                                    logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert list(stopped.token_ids) == tokens[: tokens.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+    assert all(len(step) >= 3 and token in step for step, token in zip(stopped.logprobs, stopped.token_ids))
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at],
+                                                   min_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert stop_at not in banned.token_ids[:8]
+
+
+def test_prompt_logprobs_match_a_full_forward(llm_and_hf):
+    import torch
+
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=12)[0][:20]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    for position in range(1, len(prompt)):
+        got = out.prompt_logprobs[position][prompt[position]]
+        assert abs(got - logprobs[position - 1, prompt[position]].item()) < 1e-4

@@ -1,0 +1,114 @@
+"""Sampling as a user sees it: reproducible seeds, truncation, the distribution itself, penalties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+import jax.numpy as jnp
+from engine import SamplingParams
+from engine.sampler import SamplingBatch, apply_penalties
+from tests.engine.tiny import prompts, tiny_llm
+
+
+@pytest.fixture(scope="module")
+def llm_and_hf(tmp_path_factory):
+    return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"), max_num_seqs=64,
+                    max_num_batched_tokens=256)
+
+
+def test_parallel_samples_differ_share_blocks_and_reproduce(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=3)[0] + list(range(3, 40))  # several full blocks
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1234)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    samples = [c.token_ids for c in first.outputs]
+    assert len(set(samples)) > 1, "n=4 samples should differ"
+    assert samples == [c.token_ids for c in again.outputs], "the same seed must reproduce the samples"
+
+    engine = llm.engine
+    used = {}
+    for n in (1, 4):
+        engine.add_request(f"share-{n}", prompt, SamplingParams(n=n, temperature=1.0, max_tokens=10, seed=1,
+                                                                ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        used[n] = engine.stats().blocks.device_blocks_used
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert used[4] < 2 * used[1], f"4 samples used {used[4]} blocks, one used {used[1]}: the prompt is not shared"
+
+
+def test_seeded_request_is_independent_of_its_batch(llm_and_hf):
+    llm, hf = llm_and_hf
+    batch = prompts(6, hf.config.vocab_size, seed=4)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=7)
+    alone = llm.generate([batch[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=8)] * 5
+    together = llm.generate(batch, [seeded] + others, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == together
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1, max_tokens=12),
+                                    SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12)],
+                         ids=["top_k=1", "tiny top_p"])
+def test_truncation_to_one_token_is_greedy(llm_and_hf, params):
+    llm, hf = llm_and_hf
+    batch = prompts(4, hf.config.vocab_size, seed=5)
+    greedy = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    truncated = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in truncated] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_sample_frequencies_follow_the_softmax(llm_and_hf):
+    """2048 one-token samples at temperature 0.7 against the model's own distribution (chi-square)."""
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=6)[0]
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / 0.7, -1).numpy()
+    params = [SamplingParams(n=64, temperature=0.7, max_tokens=1, seed=s) for s in range(32)]
+    outputs = llm.generate([prompt] * 32, params, use_tqdm=False)
+    tokens = [c.token_ids[0] for o in outputs for c in o.outputs]
+    counts = np.bincount(tokens, minlength=len(probs)).astype(float)
+    expected = probs * len(tokens)
+    common = expected >= 5
+    observed = np.append(counts[common], counts[~common].sum())
+    wanted = np.append(expected[common], expected[~common].sum())
+    assert scipy.stats.chisquare(observed, wanted).pvalue > 1e-3
+
+
+def test_penalties_change_logits_as_hugging_face_and_openai_do():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 32)).astype(np.float32) * 3
+    prompt = np.array([[3, 4, 5, -1], [7, 7, 8, 9]], np.int32)
+    output = np.array([[5, 5, 10, -1], [11, -1, -1, -1]], np.int32)
+    batch = SamplingBatch(
+        temperature=jnp.ones(2), top_p=jnp.ones(2), top_k=jnp.zeros(2, jnp.int32), min_p=jnp.zeros(2),
+        presence_penalty=jnp.asarray([0.5, 0.0]), frequency_penalty=jnp.asarray([0.25, 1.0]),
+        repetition_penalty=jnp.asarray([1.3, 0.8]), seed=jnp.zeros(2, jnp.uint32),
+        sample_index=jnp.zeros(2, jnp.int32), step=jnp.zeros(2, jnp.int32), output_tokens=jnp.asarray(output),
+        prompt_tokens=jnp.asarray(prompt), banned=jnp.zeros((2, 0), jnp.int32), penalties=True)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits), batch))
+    for row, (penalty, presence, frequency) in enumerate([(1.3, 0.5, 0.25), (0.8, 0.0, 1.0)]):
+        seen = [t for t in list(prompt[row]) + list(output[row]) if t >= 0]
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([seen]), torch.tensor(logits[row:row + 1]))
+        expected = expected[0].numpy()
+        counts = np.bincount([t for t in output[row] if t >= 0], minlength=32)
+        expected = expected - frequency * counts - presence * (counts > 0)
+        np.testing.assert_allclose(ours[row], expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -1.0, "temperature must be >= 0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("n", 0, "n must be an integer >= 1"),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("logprobs", 50, "logprobs must be None or in"),
+])
+def test_invalid_sampling_params_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})

@@ -1,0 +1,49 @@
+"""Tiny random Hugging Face models served by the engine, and their HF reference outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine import LLM
+from tests.models.tiny_models import build_hf_model
+
+ENGINE = dict(max_model_len=128, block_size=8, num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256,
+              swap_space=0.01, warmup=False)
+
+
+def tiny_llm(name: str, directory, **overrides):
+    """(our LLM, HF torch model) for ``tests.models.tiny_models.TINY_CONFIGS[name]``."""
+    hf = build_hf_model(name, directory)
+    return LLM(str(directory), **{**ENGINE, **overrides}), hf
+
+
+def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``count`` random prompts of varied lengths (1 to 60 tokens) avoiding special ids 0-2."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(1, 60, count).astype(int)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt, max_tokens, top=5):
+    """HF ``generate`` greedy: (tokens, per-step top-``top`` {token: logprob})."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True, pad_token_id=hf.config.eos_token_id)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    steps = []
+    for scores in out.scores:
+        logprobs = torch.log_softmax(scores[0].float(), -1)
+        values, ids = logprobs.topk(top)
+        steps.append(dict(zip(ids.tolist(), values.tolist())))
+    return tokens[: len(steps)], steps
+
+
+def assert_same_or_close(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs):
+    """vLLM's check for near-tied random models: identical up to the first divergence, and
+    there each side's token is among the other's top-5."""
+    for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)):
+        if a != b:
+            assert a in hf_logprobs[i] and b in ours_logprobs[i], (i, ours_tokens, hf_tokens)
+            return
+    assert len(ours_tokens) == len(hf_tokens) or ours_tokens[-1] in (ours_logprobs and ()), (ours_tokens, hf_tokens)
