@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
+import jax
 import numpy as np
 
 import models
@@ -29,6 +31,15 @@ from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, Se
 from engine.step_sampling import Row, sample_rows
 
 log = logging.getLogger(__name__)
+
+
+def _use_compilation_cache() -> None:
+    """Keep compiled programs on disk ($PALLAS_PAGED_CACHE_DIR, default ~/.cache/pallas-paged/xla;
+    empty disables), so a restart skips most of the warm-up."""
+    directory = os.environ.get("PALLAS_PAGED_CACHE_DIR", os.path.expanduser("~/.cache/pallas-paged/xla"))
+    if directory and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 @functools.lru_cache(maxsize=2)
@@ -51,6 +62,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         start = time.monotonic()
+        _use_compilation_cache()
         self.config = config
         self.model_config, params, self.tokenizer = _load_model(config.model, config.param_dtype)
         spec = config.kv_cache_spec(self.model_config)

@@ -28,10 +28,15 @@ class SeqProgress:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, held_back: int = 0) -> CompletionOutput:
+        """A snapshot; while running, the last ``held_back`` characters (which might still turn
+        out to start a stop string) are withheld, so streamed text never has to be taken back."""
+        text = self.decoded.text
+        if self.finish_reason is None and held_back:
+            text = text[: max(0, len(text) - held_back)]
         return CompletionOutput(
             index=self.index,
-            text=self.decoded.text,
+            text=text,
             token_ids=tuple(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
@@ -127,7 +132,8 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running."""
-        completions = [seq.completion() for seq in self.seqs.values()]
+        held_back = 0 if self.is_beam_search or not self.params.stop else max(map(len, self.params.stop)) - 1
+        completions = [seq.completion(held_back) for seq in self.seqs.values()]
         if self.is_beam_search:
             completions = self._beam_completions()
         elif self.finished and self.params.best_of > self.params.n:

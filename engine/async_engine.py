@@ -1,0 +1,149 @@
+"""The engine loop on a background thread, with each request's outputs as an async stream.
+
+Only the loop thread touches the ``LLMEngine``; the asyncio side sends it requests and aborts
+through a queue and receives outputs through ``call_soon_threadsafe``. A consumer that stops
+listening (a client that disconnects) aborts its request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from engine import scheduler as sch
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after its latest step, for metrics and health."""
+
+    scheduler: sch.SchedulerStats
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: object
+    params: object
+    stream: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """``async for output in engine.generate(prompt, params, request_id)`` while other requests run."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot = self._snapshot()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt, params, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its output each time it changes, the last one finished.
+
+        Raises what ``LLMEngine.add_request`` raises for a bad request (nothing is queued).
+        Stopping the iteration early aborts the request.
+        """
+        stream: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, prompt, params, stream, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (safe from any thread)."""
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output, last=output.finished)
+                    self.snapshot = self._snapshot()
+        except BaseException as error:  # the loop must not die silently: fail every waiting request
+            log.exception("engine loop failed")
+            self.error = error
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine failed: {error}"), last=True)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _handle(self, item) -> None:
+        if isinstance(item, _Abort):
+            if self._streams.pop(item.request_id, None) is not None:
+                self.engine.abort_request(item.request_id)
+                self.snapshot = self._snapshot()
+            return
+        self._streams[item.request_id] = (item.stream, item.loop)
+        try:
+            self.engine.add_request(item.request_id, item.prompt, item.params)
+        except Exception as error:  # a bad request: tell its caller, keep serving
+            self._deliver(item.request_id, error, last=True)
+
+    def _deliver(self, request_id: str, item, last: bool) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        if last:
+            del self._streams[request_id]
+        stream, loop = target
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone
+            self.engine.abort_request(request_id)
+
+    def _snapshot(self) -> EngineSnapshot:
+        counters = self.engine.counters
+        return EngineSnapshot(self.engine.stats(), counters.prompt_tokens, counters.generation_tokens,
+                              counters.steps, time.time())

@@ -1,0 +1,69 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged."""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+from engine.async_engine import EngineSnapshot
+from engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """Gauges read from the engine's latest snapshot; counters and histograms fed per request."""
+
+    def __init__(self, model_name: str):
+        self.registry = prom.CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return prom.Gauge(name, doc, labels, registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return prom.Counter(name, doc, labels, registry=self.registry).labels(**labels)
+
+        def histogram(name, doc):
+            return prom.Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Requests being computed.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.")
+        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to host memory.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (1 = full).")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions since start.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens computed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt blocks found in the prefix cache.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0, "prefix_hits": 0}
+
+    def refresh(self, snapshot: EngineSnapshot) -> None:
+        """Bring gauges and counters up to the engine's latest snapshot."""
+        stats = snapshot.scheduler
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_usage)
+        for key, counter, value in [("preemptions", self.preemptions, stats.num_preemptions),
+                                    ("prompt", self.prompt_tokens, snapshot.prompt_tokens),
+                                    ("generation", self.generation_tokens, snapshot.generation_tokens),
+                                    ("prefix_hits", self.prefix_cache_hits, stats.blocks.prefix_cache_hits)]:
+            counter.inc(max(0, value - self._seen[key]))
+            self._seen[key] = max(value, self._seen[key])
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Latency histograms of a finished request."""
+        metrics = output.metrics
+        if metrics is None or metrics.first_token_time is None or metrics.finished_time is None:
+            return
+        self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        generated = max((len(c.token_ids) for c in output.outputs), default=0)
+        if generated > 1:
+            self.tpot.observe((metrics.finished_time - metrics.first_token_time) / (generated - 1))
+
+    def exposition(self, snapshot: EngineSnapshot) -> bytes:
+        self.refresh(snapshot)
+        return prom.generate_latest(self.registry)

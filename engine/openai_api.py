@@ -1,0 +1,282 @@
+"""OpenAI's completions and chat endpoints on top of ``AsyncLLMEngine``: requests in, JSON or
+server-sent-event chunks out. Protocol only; the HTTP plumbing lives in ``engine.serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from engine.async_engine import AsyncLLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import ChatRequest, CompletionRequest
+from engine.scheduler import InvalidRequestError
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; ``status`` is the HTTP code (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], on_finished=None):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.model_names = model_names
+        self.on_finished = on_finished or (lambda output: None)
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise RequestError(f"The model `{name}` does not exist; this server has {self.model_names}.", 404,
+                               "NotFoundError")
+        return name or self.model_names[0]
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """The completion budget; refuses prompts (plus requested tokens) over the context."""
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (requested is not None and requested > room):
+            wanted = prompt_len + (requested or 0)
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({prompt_len} in the prompt, {requested or 0} in the completion). Please reduce "
+                f"the length of the prompt or of max_tokens.")
+        return requested if requested is not None else room
+
+    # -- completions ------------------------------------------------------------------------
+
+    def plan_completion(self, request: CompletionRequest):
+        """(model name, [(token ids, SamplingParams)]) for every prompt of ``request``."""
+        model = self.check_model(request.model)
+        prompts = [self._token_ids(p) for p in request.prompts()]
+        if not prompts or not all(prompts):
+            raise RequestError("prompt must not be empty")
+        if request.stream and (request.best_of or request.n) > request.n:
+            raise RequestError("best_of cannot be larger than n when streaming")
+        plans = []
+        for ids in prompts:
+            try:
+                params = request.sampling_params(max_tokens=self._max_tokens(len(ids), request.max_tokens),
+                                                 logprobs=request.logprobs, best_of=request.best_of)
+            except ValueError as error:
+                raise RequestError(str(error)) from None
+            if request.echo and request.logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+            plans.append((ids, params))
+        return model, plans
+
+    async def completion(self, request: CompletionRequest) -> dict:
+        model, plans = self.plan_completion(request)
+        finals = await self._finals(plans, "cmpl")
+        choices = []
+        for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
+            for c in output.outputs:
+                text = (self._decode(ids) if request.echo else "") + c.text
+                choices.append({"index": prompt_index * request.n + c.index, "text": text,
+                                "logprobs": self._completion_logprobs(c) if request.logprobs is not None else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": _usage(plans, finals)}
+
+    def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
+        """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
+        model, plans = self.plan_completion(request)
+        return self._completion_chunks(request, model, plans)
+
+    async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
+        request_id, created = _id("cmpl"), int(time.time())
+        sent: dict[tuple[int, int], tuple[int, int]] = {}
+        finals = {}
+
+        def chunk(choices, usage=None):
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return _sse(body)
+
+        async for prompt_index, output in self._merged(plans, "cmpl"):
+            for c in output.outputs:
+                key = (prompt_index, c.index)
+                chars, tokens = sent.get(key, (0, 0))
+                prefix = self._decode(plans[prompt_index][0]) if request.echo and key not in sent else ""
+                delta = c.text[chars:]
+                if not (prefix or delta or c.finish_reason):
+                    continue
+                sent[key] = (len(c.text), len(c.token_ids))
+                new = CompletionOutput(c.index, delta, c.token_ids[tokens:], None,
+                                       None if c.logprobs is None else c.logprobs[tokens:])
+                yield chunk([{"index": prompt_index * request.n + c.index, "text": prefix + delta,
+                              "logprobs": self._completion_logprobs(new) if request.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            if output.finished:
+                finals[prompt_index] = output
+        if request.stream_options and request.stream_options.include_usage:
+            yield chunk([], _usage(plans, [finals[i] for i in range(len(plans))]))
+        yield "data: [DONE]\n\n"
+
+    # -- chat -------------------------------------------------------------------------------
+
+    def plan_chat(self, request: ChatRequest):
+        model = self.check_model(request.model)
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions")
+        messages = [m.as_template_input() for m in request.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        try:
+            params = request.sampling_params(max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
+                                             logprobs=logprobs)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        return model, [(list(ids), params)]
+
+    async def chat(self, request: ChatRequest) -> dict:
+        model, plans = self.plan_chat(request)
+        (output,) = await self._finals(plans, "chatcmpl")
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c) if request.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": _usage(plans, [output])}
+
+    def chat_stream(self, request: ChatRequest) -> AsyncIterator[str]:
+        """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
+        model, plans = self.plan_chat(request)
+        return self._chat_chunks(request, model, plans)
+
+    async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
+        request_id, created = _id("chatcmpl"), int(time.time())
+        sent: dict[int, tuple[int, int]] = {}
+        final = None
+
+        def chunk(choices, usage=None):
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return _sse(body)
+
+        async for _, output in self._merged(plans, "chatcmpl"):
+            for c in output.outputs:
+                if c.index not in sent:
+                    sent[c.index] = (0, 0)
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                chars, tokens = sent[c.index]
+                delta = c.text[chars:]
+                if not (delta or c.finish_reason):
+                    continue
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                new = CompletionOutput(c.index, delta, c.token_ids[tokens:], None,
+                                       None if c.logprobs is None else c.logprobs[tokens:])
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": self._chat_logprobs(new) if request.logprobs else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            final = output
+        if request.stream_options and request.stream_options.include_usage:
+            yield chunk([], _usage(plans, [final]))
+        yield "data: [DONE]\n\n"
+
+    # -- running requests -------------------------------------------------------------------
+
+    async def _merged(self, plans, prefix: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every planned request as they come, tagged with the plan's index.
+        Closing this iterator aborts every request still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, ids, params):
+            try:
+                async for output in self.engine.generate(ids, params, _id(prefix)):
+                    await queue.put((index, output))
+                    if output.finished:
+                        self.on_finished(output)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # hand the failure to the consumer
+                await queue.put((index, error))
+
+        tasks = [asyncio.create_task(pump(i, ids, params)) for i, (ids, params) in enumerate(plans)]
+        try:
+            done = 0
+            while done < len(plans):
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, InvalidRequestError):
+                        raise RequestError(str(item)) from None
+                    raise item
+                done += item.finished
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _finals(self, plans, prefix: str) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in self._merged(plans, prefix):
+            if output.finished:
+                finals[index] = output
+        return [finals[i] for i in range(len(plans))]
+
+    # -- formatting -------------------------------------------------------------------------
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _token_text(self, token: int) -> str:
+        return self._decode([token])
+
+    def _completion_logprobs(self, c: CompletionOutput) -> dict:
+        tokens = [self._token_text(t) for t in c.token_ids]
+        offsets, position = [], 0
+        for text in tokens:
+            offsets.append(position)
+            position += len(text)
+        steps = c.logprobs or [{} for _ in c.token_ids]
+        return {"tokens": tokens,
+                "token_logprobs": [step.get(t) for step, t in zip(steps, c.token_ids)],
+                "top_logprobs": [{self._token_text(k): v for k, v in step.items()} for step in steps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, c: CompletionOutput) -> dict:
+        def entry(token, logprob):
+            text = self._token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        steps = c.logprobs or [{} for _ in c.token_ids]
+        content = []
+        for token, step in zip(c.token_ids, steps):
+            tops = sorted(step.items(), key=lambda kv: -kv[1])
+            content.append({**entry(token, step.get(token)), "top_logprobs": [entry(k, v) for k, v in tops]})
+        return {"content": content}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _usage(plans, finals) -> dict:
+    prompt = sum(len(ids) for ids, _ in plans)
+    completion = sum(len(c.token_ids) for output in finals for c in output.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.server import SERVER_ARGS, running_server
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with running_server(*SERVER_ARGS, "--api-key", API_KEY) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+
+
+def http(url, method, path, **kwargs):
+    headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+    return httpx.request(method, url + path, headers=headers, timeout=60, **kwargs)
+
+
+def test_greedy_completion_equals_llm_generate(client):
+    prompt = "The three primary colors are"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    llm = LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512, swap_space=0.1, warmup=False)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20,
+        temperature=0, logprobs=True, top_logprobs=2)
+    choice = response.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert len(choice.logprobs.content) == response.usage.completion_tokens
+    assert response.usage.prompt_tokens > 10
+
+
+def test_streaming_matches_non_streaming(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-2].choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                          max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat)
+
+
+def test_n_samples_and_stop(client):
+    response = client.completions.create(model=MODEL, prompt="My favourite animal is the", max_tokens=12, n=2,
+                                         temperature=1.0, seed=3)
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    greedy = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0)
+    stop = greedy.choices[0].text.split(",")[2]  # a number the model writes
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+
+
+@pytest.mark.parametrize("case,status,fragment", [
+    ("bad_param", 400, "temperature"),
+    ("malformed_json", 400, "not valid JSON"),
+    ("too_long", 400, "maximum context length is 512 tokens"),
+    ("no_key", 401, "API key"),
+    ("wrong_key", 401, "API key"),
+    ("unknown_model", 404, "does not exist"),
+    ("too_big", 413, "larger than"),
+])
+def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
+    path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    request = {
+        "bad_param": dict(json={**body, "temperature": -1}),
+        "malformed_json": dict(content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
+        "too_long": dict(json={**body, "prompt": "word " * 600}),
+        "no_key": dict(json=body, headers={"Authorization": ""}),
+        "wrong_key": dict(json=body, headers={"Authorization": "Bearer nope"}),
+        "unknown_model": dict(json={**body, "model": "gpt-9"}),
+        "too_big": dict(json={**body, "prompt": "x" * (5 * 2**20)}),
+    }[case]
+    response = http(url, "POST", path, **request)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["code"] == status and error["type"]
+    if case == "too_long":
+        assert "600" in error["message"] or "601" in error["message"]
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_models_tokenize_detokenize_health(url):
+    assert http(url, "GET", "/health").status_code == 200
+    assert http(url, "GET", "/v1/models").json()["data"][0]["id"] == MODEL
+    tokens = http(url, "POST", "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert http(url, "POST", "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "Hello world"
+
+
+def test_load_with_cancellations_leaves_nothing_running(url):
+    """64 concurrent streams, every fourth cancelled mid-stream: the rest finish, nothing leaks."""
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=24,
+                                                 temperature=0.7, seed=i, stream=True)
+        text, chunks = "", 0
+        async for chunk in stream:
+            chunks += 1
+            text += chunk.choices[0].text if chunk.choices else ""
+            if i % 4 == 0 and chunks == 3:
+                await stream.close()
+                return None
+        return chunk.choices[0].finish_reason, text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 48 and all(reason in ("length", "stop") and text for reason, text in finished)
+    for _ in range(50):
+        metrics = http(url, "GET", "/metrics").text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:") and "{" in line}
+        if values["vllm:num_requests_running"] == 0 and values["vllm:kv_cache_usage_perc"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.2))
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] > 0
