@@ -99,16 +99,9 @@ class OpenAIServing:
         return self._completion_chunks(request, model, plans)
 
     async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
-        request_id, created = _id("cmpl"), int(time.time())
+        chunk = _chunk_writer("cmpl", "text_completion", model)
         sent: dict[tuple[int, int], tuple[int, int]] = {}
         finals = {}
-
-        def chunk(choices, usage=None):
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return _sse(body)
 
         async for prompt_index, output in self._merged(plans, "cmpl"):
             for c in output.outputs:
@@ -162,16 +155,9 @@ class OpenAIServing:
         return self._chat_chunks(request, model, plans)
 
     async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
-        request_id, created = _id("chatcmpl"), int(time.time())
+        chunk = _chunk_writer("chatcmpl", "chat.completion.chunk", model)
         sent: dict[int, tuple[int, int]] = {}
         final = None
-
-        def chunk(choices, usage=None):
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return _sse(body)
 
         async for _, output in self._merged(plans, "chatcmpl"):
             for c in output.outputs:
@@ -274,6 +260,19 @@ def _id(prefix: str) -> str:
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+def _chunk_writer(prefix: str, kind: str, model: str):
+    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id."""
+    request_id, created = _id(prefix), int(time.time())
+
+    def chunk(choices, usage=None):
+        body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    return chunk
 
 
 def _usage(plans, finals) -> dict:
