@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 import pallas_paged
@@ -19,7 +20,8 @@ _GIB = 2**30
 class EngineConfig:
     """Everything a user can set; see ``LLM`` for the meaning of each field.
 
-    ``model`` None is SmolLM2-135M-Instruct. ``num_blocks`` fixes the device pool exactly;
+    ``model`` None is SmolLM2-135M-Instruct. ``dtype`` is the weights' (activations are
+    float32); ``kv_cache_dtype`` the cache's. ``num_blocks`` fixes the device pool exactly;
     otherwise ``kv_cache_memory`` bytes (default 1 GiB) decide it. ``swap_space`` is GiB
     of host blocks. ``max_num_batched_tokens`` (tokens per step; longer prompts are prefilled
     in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
@@ -28,6 +30,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -45,6 +48,7 @@ class EngineConfig:
     def __post_init__(self):
         checks = [
             (self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype),
+            (self.kv_cache_dtype in DTYPES, "kv_cache_dtype", f"one of {sorted(DTYPES)}", self.kv_cache_dtype),
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two up to 256",
              self.block_size),
             (self.num_blocks is None or self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks),
@@ -66,10 +70,18 @@ class EngineConfig:
     def param_dtype(self) -> str:
         return DTYPES[self.dtype]
 
+    @property
+    def cache_dtype(self) -> str:
+        """"auto" is float32 on CPU, where XLA computes every bfloat16 scatter and select in
+        float32 (converting the whole cache each step), and the weights' dtype elsewhere."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "float32" if jax.default_backend() == "cpu" else self.param_dtype
+
     def kv_cache_spec(self, model: ModelConfig) -> pallas_paged.KVCacheSpec:
         """The device KV cache for ``model``: ``num_blocks`` or as many as ``kv_cache_memory`` holds."""
         spec = pallas_paged.KVCacheSpec(1, self.block_size, model.num_kv_heads, model.head_dim, model.num_layers,
-                                        jnp.dtype(self.param_dtype))
+                                        jnp.dtype(self.cache_dtype))
         num_blocks = self.num_blocks or max(1, (self.kv_cache_memory or _GIB) // spec.bytes_per_block)
         return dataclasses.replace(spec, num_blocks=num_blocks)
 

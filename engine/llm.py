@@ -35,7 +35,9 @@ class LLM:
     """A model with a paged KV cache, ready to generate.
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for SmolLM2-135M-Instruct.
-    dtype: "auto" (float32), "float32" or "bfloat16". block_size: tokens per KV block.
+    dtype: the weights', "auto" (float32), "float32" or "bfloat16"; activations are float32.
+    kv_cache_dtype: "auto" (float32 on CPU, where it is faster; else the weights'), "float32" or
+    "bfloat16". block_size: tokens per KV block.
     num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes, 1 GiB by
     default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
@@ -47,14 +49,15 @@ class LLM:
     compile every step shape now (else on first use).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None, swap_space: float = 4,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True):
         config = EngineConfig(
-            model=model, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, swap_space=swap_space, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,

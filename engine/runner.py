@@ -152,8 +152,12 @@ class ModelRunner:
         return kv_caches
 
     def _dummy_works(self, kind: int, num_tokens: int) -> list[ScheduledGroupWork]:
-        """Work of the right shape that writes only padding slots of block 0."""
+        """Work of the right shape (a decode of ``num_tokens`` sequences, or a prefill of
+        ``num_tokens`` tokens split into sequences no longer than the model allows), all of it
+        written into block 0, which nothing reads before overwriting."""
         if kind == 1:
             return [ScheduledGroupWork("warm-up", (i,), (0,), 0, (0,), False, True) for i in range(num_tokens)]
-        return [ScheduledGroupWork("warm-up", (0,), (0,) * num_tokens, 0, (0,) * -(-num_tokens // self.block_size),
-                                   True, True)]
+        longest = self.max_blocks * self.block_size
+        sizes = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
+        return [ScheduledGroupWork("warm-up", (i,), (0,) * n, 0, (0,) * -(-n // self.block_size), True, True)
+                for i, n in enumerate(sizes)]

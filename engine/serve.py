@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000)
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
     add("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights (activations are float32)")
+    add("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="auto: float32 on CPU, else the weights' dtype")
     add("--block-size", type=int, default=16)
     add("--num-blocks", type=int, default=None, help="device KV blocks (default: from --kv-cache-memory)")
     add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default 1 GiB)")
@@ -183,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed)

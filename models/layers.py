@@ -30,9 +30,15 @@ ACTIVATIONS = {
 
 
 def linear(x, p):
-    """x: [T, in] → [T, out] with ``p = {"w": [in, out], "b"?: [out]}``."""
-    y = x @ p["w"]
-    return y + p["b"] if "b" in p else y
+    """x: [T, in] → float32 [T, out] with ``p = {"w": [in, out], "b"?: [out]}``.
+
+    The product runs in the weights' dtype with float32 accumulation and a float32 result:
+    activations stay float32 between layers whatever the weights are. That is also XLA:CPU's
+    fast bfloat16 path (a bfloat16-accumulating dot runs at half the speed).
+    """
+    w = p["w"]
+    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return y + p["b"].astype(jnp.float32) if "b" in p else y
 
 
 def rms_norm(x, p, eps):
@@ -106,8 +112,11 @@ def gated_mlp(p, x):
 
 def logits(params, h):
     """Vocabulary logits. h: [L, hidden'] → float32[L, vocab], tied to ``params["embed"]`` without an lm_head."""
-    w = params["lm_head"]["w"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        return linear(h, params["lm_head"])
+    embed = params["embed"]  # [vocab, hidden]: contract over hidden, no transposed copy
+    return jax.lax.dot_general(h.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def linear_from_hf(get, name: str, bias: bool):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from models import layers
@@ -23,8 +24,8 @@ from models.config import ModelConfig
 
 
 def embed(config: ModelConfig, params, input_ids, positions):
-    """Token embeddings. input_ids, positions: int32[T] → [T, hidden]."""
-    return params["embed"][input_ids]
+    """Token embeddings. input_ids, positions: int32[T] → float32 [T, hidden]."""
+    return params["embed"][input_ids].astype(jnp.float32)
 
 
 def layer(config: ModelConfig, p, x, positions, metadata, kv_cache):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from models import layers
@@ -23,8 +24,8 @@ POSITION_OFFSET = 2
 
 
 def embed(config: ModelConfig, params, input_ids, positions):
-    """Token plus learned position embeddings. input_ids, positions: int32[T] → [T, hidden]."""
-    x = params["embed"][input_ids]
+    """Token plus learned position embeddings. input_ids, positions: int32[T] → float32 [T, hidden]."""
+    x = params["embed"][input_ids].astype(jnp.float32)
     if "project_in" in params:
         x = layers.linear(x, params["project_in"])
     return x + params["pos_embed"][positions + POSITION_OFFSET]

@@ -13,6 +13,22 @@ import jax
 import jax.numpy as jnp
 
 
+def _as_bits(array):
+    """16-bit floats viewed as uint16: XLA:CPU scatters bfloat16 by converting the whole
+    cache to float32 and back, an integer scatter updates it in place."""
+    return jax.lax.bitcast_convert_type(array, jnp.uint16) if array.dtype.itemsize == 2 else array
+
+
+def _from_bits(array, dtype):
+    return jax.lax.bitcast_convert_type(array, dtype) if array.dtype != dtype else array
+
+
+def _set(cache, index, values):
+    """``cache.at[index].set(values, mode="drop")``, in place for every dtype."""
+    updated = _as_bits(cache).at[index].set(_as_bits(values.astype(cache.dtype)), mode="drop")
+    return _from_bits(updated, cache.dtype)
+
+
 def _drop_negative(index, size):
     """Map padding entries (< 0) past the end, where ``mode="drop"`` ignores them."""
     return jnp.where(index < 0, size, index)
@@ -30,8 +46,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
     def write(cache, new):
         flat = cache.reshape(kv_heads, num_blocks * block_size, head_dim)
-        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
+        return _set(flat, (slice(None), slots), new.swapaxes(0, 1)).reshape(cache.shape)
 
     return write(k_cache, k), write(v_cache, v)
 
@@ -47,7 +62,7 @@ def copy_blocks(k_cache, v_cache, src, dst):
     dst = _drop_negative(dst, num_blocks)
 
     def copy(cache):
-        return cache.at[:, dst].set(cache[:, src], mode="drop")
+        return _set(cache, (slice(None), dst), cache[:, src])
 
     return copy(k_cache), copy(v_cache)
 
@@ -60,7 +75,7 @@ def gather_blocks(cache, block_ids):
 def scatter_blocks(cache, blocks, block_ids):
     """Write ``blocks[:, i]`` into block ``block_ids[i]``; ids past the last block are padding
     and write nothing (negative ids would wrap around). Returns the cache."""
-    return cache.at[:, block_ids].set(blocks.astype(cache.dtype), mode="drop")
+    return _set(cache, (slice(None), block_ids), blocks)
 
 
 def host_sharding(device: jax.Device | None = None) -> jax.sharding.Sharding:

@@ -2,8 +2,8 @@
 
 Works on 2-D tiles (Triton and Mosaic: ``q[rows, d]``, ``k[keys, d]``) and on
 tiles with a leading head axis (interpret mode: ``q[heads, rows, d]``).
-Everything is float32, and every intermediate is at least 2-D with row
-statistics kept as ``[..., rows, 1]``: Mosaic cannot reshape 1-D masks.
+Statistics and accumulators are float32, and every intermediate is at least
+2-D with row statistics kept as ``[..., rows, 1]``: Mosaic cannot reshape 1-D masks.
 """
 
 from __future__ import annotations
@@ -17,17 +17,28 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _scores(q, k):
-    """q: [..., rows, d], k: [..., keys, d] → [..., rows, keys]."""
+    """q: [..., rows, d], k: [..., keys, d] → float32 [..., rows, keys], in k's dtype."""
+    q = q.astype(k.dtype)
     if q.ndim == 2:
         return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return jnp.einsum("hrd,hkd->hrk", q, k)
+    return jnp.einsum("hrd,hkd->hrk", q, k, preferred_element_type=jnp.float32)
 
 
 def _weighted_sum(p, v):
-    """p: [..., rows, keys], v: [..., keys, d] → [..., rows, d]."""
+    """p: [..., rows, keys], v: [..., keys, d] → float32 [..., rows, d], in v's dtype."""
+    p = p.astype(v.dtype)
     if p.ndim == 2:
         return jnp.dot(p, v, preferred_element_type=jnp.float32)
-    return jnp.einsum("hrk,hkd->hrd", p, v)
+    return jnp.einsum("hrk,hkd->hrd", p, v, preferred_element_type=jnp.float32)
+
+
+def _zero_unless(keep, x):
+    """``where(keep, x, 0)``; on the bits for 16-bit floats, since XLA:CPU computes a bfloat16
+    select in float32 and hoists the conversion of the whole cache out of the kernel's loop."""
+    if x.dtype.itemsize != 2:
+        return jnp.where(keep, x, jnp.zeros((), x.dtype))
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return jax.lax.bitcast_convert_type(jnp.where(keep, bits, jnp.uint16(0)), x.dtype)
 
 
 def initial_state(q):
@@ -46,17 +57,19 @@ def update(state, q, k, v, first_key, context_len, query_pos=None):
     q: [..., rows, d] float32, already scaled; k, v: [..., keys, d].
     Slots at or past ``context_len`` are masked, and zeroed in ``v``: their
     block may be stale or unreferenced. query_pos: optional int32[rows, 1],
-    each row's position, for a causal mask.
+    each row's position, for a causal mask. The products run in the cache's
+    dtype with float32 accumulation: converting K and V tiles to float32 lets
+    XLA hoist the conversion of the whole cache out of the loop.
     """
     acc, row_max, row_sum = state
     keys = k.shape[-2]
     key_pos = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
     key_pos_col = first_key + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
-    v = jnp.where(key_pos_col < context_len, v.astype(jnp.float32), 0.0)
+    v = _zero_unless(key_pos_col < context_len, v)
     visible = key_pos < context_len
     if query_pos is not None:
         visible = visible & (key_pos <= query_pos)
-    scores = jnp.where(visible, _scores(q, k.astype(jnp.float32)), MASK_VALUE)
+    scores = jnp.where(visible, _scores(q, k), MASK_VALUE)
     new_max = jnp.maximum(row_max, scores.max(axis=-1, keepdims=True))
     probs = jnp.exp(scores - new_max)
     correction = jnp.exp(row_max - new_max)

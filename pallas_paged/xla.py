@@ -64,3 +64,48 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
 
     out = jax.lax.map(one, (tiles.seq, tiles.start, tiles.first_token))
     return tiles.scatter(out.transpose(1, 0, 2, 3), num_tokens, group)
+
+
+def _gather_rows(cache, block_ids):
+    """cache: [kv_heads, blocks, block_size, d]; block_ids: int32[n] → [kv_heads, n, block_size, d].
+
+    One gather of whole blocks (``slice_sizes`` spanning a block), which XLA:CPU runs at copy
+    speed; numpy-style indexing builds an element-wise gather about 3x slower.
+    """
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,))
+    rows = jax.lax.gather(cache.reshape(kv_heads, num_blocks, block_size * head_dim), block_ids[:, None], dims,
+                          slice_sizes=(kv_heads, 1, block_size * head_dim),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return rows.reshape(kv_heads, block_ids.shape[0], block_size, head_dim)
+
+
+def paged_attention_batched(q, k_cache, v_cache, block_tables, context_lens, *, scale, blocks_per_step=8):
+    """Decode attention for the whole batch at once, ``blocks_per_step`` blocks of every
+    sequence per loop iteration (the loop runs up to the longest context).
+
+    q: [seqs, q_heads, d] → [seqs, q_heads, d]. This is the fast path on CPU: each iteration
+    is one block gather and a few batched einsums, instead of a program per sequence.
+    """
+    seqs, q_heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = q_heads // kv_heads
+    keys = blocks_per_step * block_size
+    tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % blocks_per_step)))
+    qg = (q.reshape(seqs, kv_heads, group, head_dim).transpose(1, 0, 2, 3).astype(jnp.float32) * scale
+          ).reshape(kv_heads * seqs, group, head_dim)
+    lens = jnp.broadcast_to(context_lens[None, :], (kv_heads, seqs)).reshape(-1, 1, 1)
+
+    def step(i, state):
+        ids = jax.lax.dynamic_slice_in_dim(tables, i * blocks_per_step, blocks_per_step, axis=1).reshape(-1)
+        k, v = (_gather_rows(cache, ids).reshape(kv_heads * seqs, keys, head_dim) for cache in (k_cache, v_cache))
+        return softmax.update(state, qg, k, v, i * keys, lens)
+
+    num_steps = pl_cdiv(jnp.max(context_lens), keys)
+    state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(qg))
+    out = softmax.finish(state).reshape(kv_heads, seqs, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(seqs, q_heads, head_dim).astype(q.dtype)
+
+
+def pl_cdiv(a, b):
+    return (a + b - 1) // b
