@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,27 @@ class CacheEngine:
         host_spec = pallas_paged.KVCacheSpec(max(num_host_blocks, 1), spec.block_size, spec.num_kv_heads,
                                              spec.head_dim, spec.num_layers, spec.dtype)
         self.num_host_blocks = num_host_blocks
-        self.host_caches = host_spec.allocate(on_host=True)
+        self._host_spec = host_spec
+        self._host_caches = None
         self._swap_out = jax.jit(_swap_out, donate_argnums=(0,))
         self._swap_in = jax.jit(_swap_in, donate_argnums=(0,))
         log.info("KV cache: %d device blocks (%.1f MiB), %d host blocks (%.1f MiB)", spec.num_blocks,
                  spec.num_blocks * spec.bytes_per_block / 2**20, num_host_blocks,
                  num_host_blocks * spec.bytes_per_block / 2**20)
+
+    @property
+    def host_caches(self):
+        """Per layer ``(k, v)`` of the swap space, in pinned host memory. Allocated at the first
+        swap: gigabytes take seconds to allocate, and many runs never swap."""
+        if self._host_caches is None:
+            start = time.monotonic()
+            self._host_caches = self._host_spec.allocate_on_host()
+            log.info("allocated the swap space in %.1f s", time.monotonic() - start)
+        return self._host_caches
+
+    @host_caches.setter
+    def host_caches(self, caches):
+        self._host_caches = caches
 
     def apply(self, swap_out=(), swap_in=(), copy=()) -> None:
         """Carry out one step's block operations, in the order the scheduler requires.

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 
 import models
+from models import gguf_cache
 from engine import beam_search
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 
 
 def _use_compilation_cache() -> None:
-    """Keep compiled programs on disk ($PALLAS_PAGED_CACHE_DIR, default ~/.cache/pallas-paged/xla;
-    empty disables), so a restart skips most of the warm-up."""
-    directory = os.environ.get("PALLAS_PAGED_CACHE_DIR", os.path.expanduser("~/.cache/pallas-paged/xla"))
-    if directory and jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", directory)
+    """Keep compiled programs on disk (``xla/`` under the cache root of
+    :func:`models.gguf_cache.cache_root`), so a restart skips most of the warm-up."""
+    root = gguf_cache.cache_root()
+    if root is not None and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
@@ -74,7 +74,7 @@ class LLMEngine:
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
         loaded = time.monotonic()
         if config.warmup:
-            self.cache.kv_caches = self.runner.warm_up(self.cache.kv_caches)
+            self.runner.warm_up(self.cache.kv_caches)
         self.warmup_seconds = time.monotonic() - loaded
         self.startup_seconds = time.monotonic() - start
         self.state = sch.initial_state(self.scheduler_config)

@@ -3,46 +3,31 @@
 Shapes are rounded up to a few buckets so that a handful of compiled programs serve every
 step: decode-only steps by their number of sequences, other steps by their number of tokens
 (their sequence arrays always have ``max_num_seqs`` rows; padding rows compute nothing), and
-the rows whose logits are needed by their count. The model runs one jitted call per stage
-(embedding, each layer, head) rather than one call for the whole model: the layers share one
-compiled program, which makes a warm-up of every bucket take seconds instead of minutes, for
-a dispatch overhead of well under a millisecond per layer.
+the rows whose logits are needed by their count. The model runs one call per stage
+(embedding, each layer, picking the rows, head; see :mod:`engine.programs`) rather than one
+call for the whole model: the layers share one compiled program, which makes a warm-up of
+every bucket take seconds instead of minutes, for a dispatch overhead of well under a
+millisecond per layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from engine import programs
 from engine.scheduler import ScheduledGroupWork
 from models import Metadata
 
 log = logging.getLogger(__name__)
-
-
-# One jitted function per stage for the whole process, keyed by the (hashable) model config:
-# every engine of the same model shares the compiled programs.
-@functools.partial(jax.jit, static_argnums=0)
-def _embed(config, params, input_ids, positions):
-    return models.stages(config).embed(params, input_ids, positions)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
-def _layer(config, layer_params, x, positions, metadata, kv_cache):
-    return models.stages(config).layer(layer_params, x, positions, metadata, kv_cache)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _head(config, params, x, rows):
-    return models.stages(config).head(params, x, rows)
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -61,7 +46,12 @@ def bucket(sizes: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-@dataclasses.dataclass(frozen=True)
+# The runner picks logits rows in a program of their own (``StepInputs.logits_rows``), so the
+# layers' metadata carries none and one layer program serves every number of rows.
+_NO_ROWS = np.zeros(0, np.int32)
+
+
+@flax.struct.dataclass
 class StepInputs:
     """One step's device arrays. input_ids, positions: int32[T]; logits_rows: int32[L]
     (indices into the T tokens); ``num_logits`` of the L rows are real."""
@@ -70,7 +60,7 @@ class StepInputs:
     positions: jax.Array
     metadata: Metadata
     logits_rows: jax.Array
-    num_logits: int
+    num_logits: int = flax.struct.field(pytree_node=False)
 
 
 class ModelRunner:
@@ -119,7 +109,7 @@ class ModelRunner:
         metadata = Metadata(
             slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
             context_lens=jnp.asarray(context_lens), query_start_loc=jnp.asarray(query_start_loc),
-            logits_indices=jnp.asarray(logits_rows), decode_only=decode_only,
+            logits_indices=_NO_ROWS, decode_only=decode_only,
         )
         return StepInputs(jnp.asarray(input_ids), jnp.asarray(positions), metadata, jnp.asarray(logits_rows),
                           len(logits_tokens))
@@ -130,26 +120,35 @@ class ModelRunner:
 
         The caches are donated: use the returned ones.
         """
-        x = _embed(self.config, self.params, inputs.input_ids, inputs.positions)
+        x = programs.call("embed", self.config, self.params, inputs.input_ids, inputs.positions)
         new_caches = []
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
-            x, kv_cache = _layer(self.config, layer_params, x, inputs.positions, inputs.metadata, kv_cache)
+            x, kv_cache = programs.call("layer", self.config, layer_params, x, inputs.positions, inputs.metadata,
+                                        kv_cache)
             new_caches.append(kv_cache)
-        logits = _head(self.config, self.params, x, inputs.logits_rows)
-        return logits, new_caches
+        h = programs.call("pick", self.config, x, inputs.logits_rows)
+        return programs.call("head", self.config, self.params, h), new_caches
 
-    def warm_up(self, kv_caches):
-        """Compile every bucket now, so no step ever waits for the compiler. Returns the caches."""
+    def warm_up(self, kv_caches) -> None:
+        """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
         shapes = [(1, size, size) for size in self.decode_buckets]
         shapes += [(2, size, rows) for size in self.token_buckets for rows in self.decode_buckets if rows <= size]
+        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+        params, layer_params, kv_cache = abstract((self.params, self.params["layers"][0], kv_caches[0]))
+        calls = []
         for kind, num_tokens, num_logits in shapes:
             works = self._dummy_works(kind, num_tokens)
-            inputs = self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits)
-            logits, kv_caches = self.run(inputs, kv_caches)
-        jax.block_until_ready(kv_caches)
-        log.info("compiled %d step shapes in %.1f s", len(shapes), time.monotonic() - start)
-        return kv_caches
+            inputs = abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
+            x = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), jnp.float32)
+            h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32)
+            calls += [("embed", self.config, (params, inputs.input_ids, inputs.positions)),
+                      ("layer", self.config, (layer_params, x, inputs.positions, inputs.metadata, kv_cache)),
+                      ("pick", self.config, (x, inputs.logits_rows)),
+                      ("head", self.config, (params, h))]
+        compiled = programs.compile_all(calls)
+        log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
+                 time.monotonic() - start)
 
     def _dummy_works(self, kind: int, num_tokens: int) -> list[ScheduledGroupWork]:
         """Work of the right shape (a decode of ``num_tokens`` sequences, or a prefill of

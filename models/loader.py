@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from models import llama, opt
+from models import gguf_cache, llama, opt
 from models.config import ModelConfig, ModelLoadError, from_gguf, from_hf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -148,6 +148,25 @@ def _read_gguf(path: Path):
 
 
 def _load_gguf(path: Path, put) -> LoadedModel:
+    """A GGUF file, through its converted copy when there is one (see :mod:`models.gguf_cache`)."""
+    directory = gguf_cache.entry(path)
+    if directory is not None and (directory / "config.json").is_file():
+        config, get, tokenizer = gguf_cache.load(directory)
+        return LoadedModel(config, ARCHITECTURES[config.architecture].params_from_hf(config, get, put), tokenizer)
+    writer = gguf_cache.Writer(directory) if directory is not None else None
+    try:
+        loaded = _convert_gguf(path, put, writer.recording if writer else (lambda get: get))
+    except BaseException:
+        if writer:
+            writer.abandon()
+        raise
+    if writer:
+        writer.finish(loaded.config, loaded.tokenizer)
+    return loaded
+
+
+def _convert_gguf(path: Path, put, record) -> LoadedModel:
+    """Dequantise ``path``; ``record`` wraps the tensor getter (to keep a converted copy)."""
     tensors, metadata = _read_gguf(path)
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor (architecture "
@@ -157,8 +176,8 @@ def _load_gguf(path: Path, put) -> LoadedModel:
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path} stores Llama 3 RoPE scaling as a rope_freqs tensor, which is not "
                              "supported; load the model's HF directory instead")
-    get = functools.partial(_gguf_tensor, config, tensors, gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.LLAMA, config.num_layers))
+    get = record(functools.partial(_gguf_tensor, config, tensors, gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.LLAMA, config.num_layers)))
     params = llama.params_from_hf(config, get, put)
     has_tokenizer = gguf.Keys.Tokenizer.MODEL in metadata
     return LoadedModel(config, params,

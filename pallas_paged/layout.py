@@ -8,9 +8,11 @@ physical block ``block`` lives in slot ``block * block_size + offset``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 
@@ -46,19 +48,20 @@ class KVCacheSpec:
         """Tokens the cache can hold."""
         return self.num_blocks * self.block_size
 
-    def allocate(self, sharding: jax.sharding.Sharding | None = None, *, on_host: bool = False
-                 ) -> list[tuple[jax.Array, jax.Array]]:
-        """Zeroed ``(k_cache, v_cache)`` per layer, each ``[kv_heads, blocks, block_size, head_dim]``.
-
-        ``on_host`` puts them in host memory (the swap space); they are created there, never
-        staged through the device.
-        """
-        def zeros():
-            array = jnp.zeros(self.layer_shape, self.dtype)
-            return jax.device_put(array, jax.memory.Space.Host) if on_host else array
-
-        make = jax.jit(zeros, out_shardings=None if on_host else sharding)
+    def allocate(self, sharding: jax.sharding.Sharding | None = None) -> list[tuple[jax.Array, jax.Array]]:
+        """Zeroed ``(k_cache, v_cache)`` per layer, each ``[kv_heads, blocks, block_size, head_dim]``."""
+        make = jax.jit(lambda: jnp.zeros(self.layer_shape, self.dtype), out_shardings=sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
+
+    def allocate_on_host(self, device: jax.Device | None = None) -> list[tuple[jax.Array, jax.Array]]:
+        """Like :meth:`allocate`, in the device's pinned host memory (the swap space).
+
+        Placed with ``device_put`` so the arrays carry the host memory space that jitted
+        swaps check (a jit's ``out_shardings`` sets the memory kind but not the space).
+        """
+        host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+        make = functools.partial(np.zeros, self.layer_shape, self.dtype)  # untouched pages until written
+        return [(jax.device_put(make(), host), jax.device_put(make(), host)) for _ in range(self.num_layers)]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

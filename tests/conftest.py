@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
+
+# Converted models and compiled programs persist between local runs, inside the checkout.
+os.environ.setdefault("PALLAS_PAGED_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache"))
 
 import pytest
 import torch

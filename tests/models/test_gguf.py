@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -50,6 +51,13 @@ def _write_gguf(hf, path):
     writer.close()
 
 
+@pytest.fixture(autouse=True)
+def converted_copies_in(tmp_path, monkeypatch):
+    """Keep this module's converted GGUF copies out of the shared cache."""
+    monkeypatch.setenv("PALLAS_PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "llama_mqa_untied"])
 def test_gguf_params_match_transformers_conversion(name, tmp_path):
     hf = build_hf_model(name, tmp_path / "hf")
@@ -68,3 +76,19 @@ def test_gguf_params_match_transformers_conversion(name, tmp_path):
         np.testing.assert_array_equal(params["lm_head"]["w"], want["lm_head.weight"].numpy().T)
     q = hf.model.layers[1].self_attn.q_proj.weight.detach().numpy().T
     assert np.abs(np.asarray(layer["q"]["w"]) - q).max() < 0.1 * np.abs(q).max()
+
+
+def test_second_load_reads_the_converted_copy(tmp_path, converted_copies_in, monkeypatch):
+    hf = build_hf_model("llama_gqa_tied", tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(hf, path)
+    first = models.load_model(path)
+    assert len(list((converted_copies_in / "models").iterdir())) == 1
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(models.loader, "_convert_gguf", no_conversion)
+    second = models.load_model(path)
+    assert second.config == first.config
+    jax.tree.map(np.testing.assert_array_equal, second.params, first.params)
