@@ -62,11 +62,13 @@ def _swap_in(kv_caches, host_caches, host_ids, device_ids):
 
 class CacheEngine:
     """Owns ``kv_caches`` (per layer ``(k, v)``, each ``[kv_heads, blocks, block_size, d]``)
-    and ``host_caches`` (the same with ``num_host_blocks``, in pinned host memory)."""
+    and ``host_caches`` (the same with ``num_host_blocks``, in pinned host memory), placed
+    with ``sharding`` / ``host_sharding`` (for tensor parallelism)."""
 
-    def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None):
+    def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None, host_sharding=None):
         self.spec = spec
         self.kv_caches = spec.allocate(sharding)
+        self._host_sharding = host_sharding
         host_spec = pallas_paged.KVCacheSpec(max(num_host_blocks, 1), spec.block_size, spec.num_kv_heads,
                                              spec.head_dim, spec.num_layers, spec.dtype)
         self.num_host_blocks = num_host_blocks
@@ -84,7 +86,7 @@ class CacheEngine:
         swap: gigabytes take seconds to allocate, and many runs never swap."""
         if self._host_caches is None:
             start = time.monotonic()
-            self._host_caches = self._host_spec.allocate_on_host()
+            self._host_caches = self._host_spec.allocate_on_host(self._host_sharding)
             log.info("allocated the swap space in %.1f s", time.monotonic() - start)
         return self._host_caches
 

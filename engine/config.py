@@ -26,6 +26,7 @@ class EngineConfig:
     of host blocks. ``max_num_batched_tokens`` (tokens per step; longer prompts are prefilled
     in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
     start; without it each shape compiles the first time a step needs it.
+    ``tensor_parallel_size`` splits the model over that many devices (see ``engine.parallel``).
     """
 
     model: str | None = None
@@ -44,6 +45,7 @@ class EngineConfig:
     policy: str = "fcfs"
     seed: int = 0
     warmup: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         checks = [
@@ -56,6 +58,7 @@ class EngineConfig:
              self.kv_cache_memory),
             (self.swap_space >= 0, "swap_space", ">= 0 GiB", self.swap_space),
             (self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1", self.tensor_parallel_size),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
              self.preemption_mode),

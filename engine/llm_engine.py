@@ -19,7 +19,7 @@ import numpy as np
 
 import models
 from models import gguf_cache
-from engine import beam_search
+from engine import beam_search, parallel
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
@@ -65,13 +65,16 @@ class LLMEngine:
         _use_compilation_cache()
         self.config = config
         self.model_config, params, self.tokenizer = _load_model(config.model, config.param_dtype)
+        parallel.check_divisible(self.model_config, config.tensor_parallel_size)
+        mesh = parallel.make_mesh(config.tensor_parallel_size)
         spec = config.kv_cache_spec(self.model_config)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
-        self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks)
-        self.runner = ModelRunner(self.model_config, params, block_size=config.block_size,
+        self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
+                                 parallel.cache_sharding(mesh), parallel.cache_sharding(mesh, on_host=True))
+        self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
+                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
         loaded = time.monotonic()
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)

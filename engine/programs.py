@@ -9,6 +9,7 @@ is most of the warm-up.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import os
 import threading
@@ -18,19 +19,28 @@ import jax
 import models
 
 
+def _replicated(x):
+    """Under a mesh, activations leave every stage whole on every device (Megatron-style), so
+    the next stage's compiled program finds them where it expects them."""
+    if jax.sharding.get_abstract_mesh().axis_names:
+        return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
+    return x
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _embed(config, params, input_ids, positions):
-    return models.stages(config).embed(params, input_ids, positions)
+    return _replicated(models.stages(config).embed(params, input_ids, positions))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
 def _layer(config, layer_params, x, positions, metadata, kv_cache):
-    return models.stages(config).layer(layer_params, x, positions, metadata, kv_cache)
+    x, kv_cache = models.stages(config).layer(layer_params, x, positions, metadata, kv_cache)
+    return _replicated(x), kv_cache
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _pick(config, x, rows):
-    return x[rows]
+    return _replicated(x[rows])
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -43,17 +53,24 @@ _compiled: dict = {}
 _lock = threading.Lock()
 
 
-def _key(stage: str, config, args) -> tuple:
+def _key(stage: str, config, mesh, args) -> tuple:
     leaves, structure = jax.tree.flatten(args)
-    return stage, config, structure, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
+    return stage, config, mesh, structure, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
 
 
-def call(stage: str, config: models.ModelConfig, *args):
-    """Run ``stage`` of ``config``'s model on ``args``, compiling for their shapes if needed."""
-    key = _key(stage, config, args)
+def _lower(stage: str, config, mesh, args):
+    """Trace and lower; under a mesh, so the kernels run per device (see ``Metadata.write_and_attend``)."""
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return STAGES[stage].lower(config, *args)
+
+
+def call(stage: str, *args, config: models.ModelConfig, mesh=None):
+    """Run ``stage`` of ``config``'s model on ``args`` (split over ``mesh``, if any),
+    compiling for their shapes if needed."""
+    key = _key(stage, config, mesh, args)
     executable = _compiled.get(key)
     if executable is None:
-        executable = _compile(key, STAGES[stage].lower(config, *args))
+        executable = _compile(key, _lower(stage, config, mesh, args))
     return executable(*args)
 
 
@@ -64,13 +81,13 @@ def _compile(key, lowered):
 
 
 def compile_all(calls) -> int:
-    """Compile every ``(stage, config, args)`` not compiled yet (``args`` may be
+    """Compile every ``(stage, config, mesh, args)`` not compiled yet (``args`` may be
     ``jax.ShapeDtypeStruct`` pytrees). Returns how many were compiled."""
     pending = {}
-    for stage, config, args in calls:
-        key = _key(stage, config, args)
+    for stage, config, mesh, args in calls:
+        key = _key(stage, config, mesh, args)
         if key not in _compiled and key not in pending:
-            pending[key] = STAGES[stage].lower(config, *args)
+            pending[key] = _lower(stage, config, mesh, args)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda item: _compile(*item), pending.items()))
     return len(pending)

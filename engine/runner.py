@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from engine import programs
+from engine import parallel, programs
 from engine.scheduler import ScheduledGroupWork
 from models import Metadata
 
@@ -67,9 +67,11 @@ class ModelRunner:
     """Runs the model for a scheduled step; owns the compiled programs and their buckets."""
 
     def __init__(self, config: models.ModelConfig, params, *, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, mesh=None):
         self.config = config
         self.params = params
+        self.mesh = mesh
+        self._inputs = parallel.replicated(mesh)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
@@ -106,13 +108,10 @@ class ModelRunner:
         logits_rows = np.zeros(bucket(self.token_buckets if len(logits_tokens) > self.max_num_seqs
                                       else self.decode_buckets, max(len(logits_tokens), 1)), np.int32)
         logits_rows[: len(logits_tokens)] = logits_tokens
-        metadata = Metadata(
-            slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
-            context_lens=jnp.asarray(context_lens), query_start_loc=jnp.asarray(query_start_loc),
-            logits_indices=_NO_ROWS, decode_only=decode_only,
-        )
-        return StepInputs(jnp.asarray(input_ids), jnp.asarray(positions), metadata, jnp.asarray(logits_rows),
-                          len(logits_tokens))
+        metadata = Metadata(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
+                            query_start_loc=query_start_loc, logits_indices=_NO_ROWS, decode_only=decode_only)
+        inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens))
+        return jax.device_put(inputs, self._inputs)
 
     def run(self, inputs: StepInputs, kv_caches):
         """Run every stage. Returns (float32 logits [L, vocab], new kv_caches); the first
@@ -120,32 +119,34 @@ class ModelRunner:
 
         The caches are donated: use the returned ones.
         """
-        x = programs.call("embed", self.config, self.params, inputs.input_ids, inputs.positions)
+        call = functools.partial(programs.call, config=self.config, mesh=self.mesh)
+        x = call("embed", self.params, inputs.input_ids, inputs.positions)
         new_caches = []
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
-            x, kv_cache = programs.call("layer", self.config, layer_params, x, inputs.positions, inputs.metadata,
-                                        kv_cache)
+            x, kv_cache = call("layer", layer_params, x, inputs.positions, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
-        h = programs.call("pick", self.config, x, inputs.logits_rows)
-        return programs.call("head", self.config, self.params, h), new_caches
+        h = call("pick", x, inputs.logits_rows)
+        return call("head", self.params, h), new_caches
 
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
         shapes = [(1, size, size) for size in self.decode_buckets]
         shapes += [(2, size, rows) for size in self.token_buckets for rows in self.decode_buckets if rows <= size]
-        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
         params, layer_params, kv_cache = abstract((self.params, self.params["layers"][0], kv_caches[0]))
         calls = []
         for kind, num_tokens, num_logits in shapes:
             works = self._dummy_works(kind, num_tokens)
             inputs = abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
-            x = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), jnp.float32)
-            h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32)
-            calls += [("embed", self.config, (params, inputs.input_ids, inputs.positions)),
-                      ("layer", self.config, (layer_params, x, inputs.positions, inputs.metadata, kv_cache)),
-                      ("pick", self.config, (x, inputs.logits_rows)),
-                      ("head", self.config, (params, h))]
+            x = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), jnp.float32,
+                                     sharding=inputs.input_ids.sharding)
+            h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32,
+                                     sharding=inputs.input_ids.sharding)
+            calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
+                      ("layer", self.config, self.mesh, (layer_params, x, inputs.positions, inputs.metadata, kv_cache)),
+                      ("pick", self.config, self.mesh, (x, inputs.logits_rows)),
+                      ("head", self.config, self.mesh, (params, h))]
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)

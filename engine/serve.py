@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-prefix-caching", action="store_true")
     add("--preemption-mode", choices=["recompute", "swap"], default=None)
     add("--seed", type=int, default=0)
+    add("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")
     add("--log-level", default="info")
     return parser
 
@@ -188,7 +189,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed)
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 async def _serve(server: uvicorn.Server, ready_line: str) -> None:

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_paged
 from models.config import ModelConfig
 
 ACTIVATIONS = {
@@ -100,9 +99,8 @@ def attention(config: ModelConfig, p, x, metadata, kv_cache, rope=None):
     v = linear(x, p["v"]).reshape(tokens, config.num_kv_heads, config.head_dim)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    k_cache, v_cache = pallas_paged.write_kv(*kv_cache, k, v, metadata.slot_mapping)
-    out = metadata.attend(q, k_cache, v_cache, scale=config.head_dim ** -0.5)
-    return linear(out.reshape(tokens, -1), p["o"]), (k_cache, v_cache)
+    out, kv_cache = metadata.write_and_attend(q, k, v, kv_cache, scale=config.head_dim ** -0.5)
+    return linear(out.reshape(tokens, -1), p["o"]), kv_cache
 
 
 def gated_mlp(p, x):

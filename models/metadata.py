@@ -5,10 +5,14 @@ Built by the runner, consumed by every attention layer of one forward pass.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
+from jax.sharding import PartitionSpec as P
 
 import pallas_paged
+from models.sharding import AXIS
 
 
 @flax.struct.dataclass
@@ -36,6 +40,26 @@ class Metadata:
     logits_indices: jax.Array
     decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
+    def write_and_attend(self, q, k, v, kv_cache, *, scale):
+        """Store this step's K and V, then causal paged attention for its queries.
+
+        q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim]; kv_cache:
+        (k_cache, v_cache), each [kv_heads, blocks, block_size, head_dim].
+        Returns ([T, q_heads, head_dim] (zeros for padding tokens), new kv_cache).
+
+        Under a mesh with a ``"tp"`` axis (tensor parallelism) the kernels run on
+        each device's own heads (``jax.shard_map``): attention needs no
+        communication, as every query head's KV head lives on its device.
+        """
+        mesh = jax.sharding.get_abstract_mesh()
+        if AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+            return _write_and_attend(self, q, k, v, kv_cache, scale)
+        heads, cache = P(None, AXIS, None), P(AXIS, None, None, None)
+        local = jax.shard_map(functools.partial(_write_and_attend, scale=scale), mesh=mesh,
+                              in_specs=(P(), heads, heads, heads, (cache, cache)), out_specs=(heads, (cache, cache)),
+                              check_vma=False)
+        return local(self, q, k, v, kv_cache)
+
     def attend(self, q, k_cache, v_cache, *, scale):
         """Causal paged attention for this step's queries.
 
@@ -48,3 +72,8 @@ class Metadata:
                 q, k_cache, v_cache, self.block_tables, self.context_lens, scale=scale)
         return pallas_paged.ragged_paged_attention(
             q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale=scale)
+
+
+def _write_and_attend(metadata: Metadata, q, k, v, kv_cache, scale):
+    k_cache, v_cache = pallas_paged.write_kv(*kv_cache, k, v, metadata.slot_mapping)
+    return metadata.attend(q, k_cache, v_cache, scale=scale), (k_cache, v_cache)

@@ -53,13 +53,14 @@ class KVCacheSpec:
         make = jax.jit(lambda: jnp.zeros(self.layer_shape, self.dtype), out_shardings=sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
 
-    def allocate_on_host(self, device: jax.Device | None = None) -> list[tuple[jax.Array, jax.Array]]:
-        """Like :meth:`allocate`, in the device's pinned host memory (the swap space).
+    def allocate_on_host(self, sharding: jax.sharding.Sharding | None = None) -> list[tuple[jax.Array, jax.Array]]:
+        """Like :meth:`allocate`, in pinned host memory (the swap space); ``sharding`` must have
+        memory kind ``pinned_host`` (default: the first device's).
 
         Placed with ``device_put`` so the arrays carry the host memory space that jitted
         swaps check (a jit's ``out_shardings`` sets the memory kind but not the space).
         """
-        host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+        host = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
         make = functools.partial(np.zeros, self.layer_shape, self.dtype)  # untouched pages until written
         return [(jax.device_put(make(), host), jax.device_put(make(), host)) for _ in range(self.num_layers)]
 
