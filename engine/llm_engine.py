@@ -28,6 +28,7 @@ from engine.requests import RequestState, SeqProgress
 from engine.runner import ModelRunner
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
+from engine.sampler import prompt_logprobs
 from engine.step_sampling import Row, sample_rows
 
 log = logging.getLogger(__name__)
@@ -258,8 +259,8 @@ class LLMEngine:
         return actions, next_child
 
     def _record_prompt_logprobs(self, logits, prompt_rows) -> None:
-        from engine.sampler import prompt_logprobs
-
+        """Log-probabilities of each prompt token given the ones before it, recorded once per
+        position (a re-prefill after preemption does not record them again)."""
         for request, work, first_row in prompt_rows:
             positions = range(work.start, work.start + len(work.token_ids))
             wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
