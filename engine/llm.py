@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
