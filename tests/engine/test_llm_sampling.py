@@ -112,3 +112,15 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=13)[0]
+    candidates = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, max_tokens=6, seed=21),
+                              use_tqdm=False)[0].outputs
+    best = llm.generate([prompt], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6, seed=21),
+                        use_tqdm=False)[0].outputs
+    ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked]
+    assert [c.index for c in best] == [0, 1]
