@@ -263,8 +263,9 @@ class LLMEngine:
         position (a re-prefill after preemption does not record them again)."""
         for request, work, first_row in prompt_rows:
             positions = range(work.start, work.start + len(work.token_ids))
+            recorded = len(request.prompt_logprobs) - 1  # positions done (entry 0 is the first token's None)
             wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
-                      if p + 1 < len(request.prompt_token_ids) and len(request.prompt_logprobs) == p + 1]
+                      if recorded <= p < len(request.prompt_token_ids) - 1]
             if not wanted:
                 continue
             num_top = max(request.params.prompt_logprobs, 1)

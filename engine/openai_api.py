@@ -87,8 +87,12 @@ class OpenAIServing:
         for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
             for c in output.outputs:
                 text = (self._decode(ids) if request.echo else "") + c.text
+                shown = c
+                if request.echo and request.logprobs is not None:  # the prompt's tokens come first
+                    shown = dataclasses.replace(c, token_ids=tuple(ids) + c.token_ids,
+                                                logprobs=tuple(p or {} for p in output.prompt_logprobs) + c.logprobs)
                 choices.append({"index": prompt_index * request.n + c.index, "text": text,
-                                "logprobs": self._completion_logprobs(c) if request.logprobs is not None else None,
+                                "logprobs": self._completion_logprobs(shown) if request.logprobs is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, finals)}

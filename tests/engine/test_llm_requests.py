@@ -85,11 +85,15 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm_and_hf):
     assert stop_at not in banned.token_ids[:8]
 
 
-def test_prompt_logprobs_match_a_full_forward(llm_and_hf):
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_step", "chunked_prefill"])
+def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, chunked):
     import torch
 
     llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=12)[0][:20]
+    if chunked:  # the 20-token prompt is prefilled 6 tokens at a time
+        llm, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=4, max_num_batched_tokens=6)
+    prompt = prompts(4, hf.config.vocab_size, seed=12)[-1][:20]
+    assert len(prompt) == 20
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     with torch.no_grad():

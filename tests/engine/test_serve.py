@@ -74,6 +74,19 @@ def test_n_samples_and_stop(client):
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
 
 
+def test_several_prompts_echo_and_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt=["Hello there", "The sky is"], max_tokens=4,
+                                         temperature=0, logprobs=2, echo=True)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text.startswith("Hello there")
+    assert response.choices[1].text.startswith("The sky is")
+    logprobs = response.choices[1].logprobs
+    assert logprobs.token_logprobs[0] is None  # the first prompt token has no context
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == response.choices[1].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+
+
 @pytest.mark.parametrize("case,status,fragment", [
     ("bad_param", 400, "temperature"),
     ("malformed_json", 400, "not valid JSON"),
