@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-accel serve bench clean
+.PHONY: install test test-fast test-accel serve bench bench-quick clean
 
 install: $(STAMP)
 
@@ -31,8 +31,20 @@ test-accel:
 serve: install
 	$(PY) -m engine.serve
 
+# Every benchmark at full size (long on a 2-core CPU); tables and plots in benchmarks/results/.
 bench: install
 	$(PY) -m benchmarks.kernels
+	$(PY) -m benchmarks.throughput chat
+	$(PY) -m benchmarks.throughput traces
+	$(PY) -m benchmarks.memory
+	$(PY) -m benchmarks.serving
+
+# The same scripts at a small scale, to check they run (results/*_quick.*; kernels.md is overwritten).
+bench-quick: install
+	$(PY) -m benchmarks.kernels --quick
+	$(PY) -m benchmarks.throughput traces --quick
+	$(PY) -m benchmarks.memory --quick
+	$(PY) -m benchmarks.serving --quick
 
 clean:
 	rm -rf $(VENV) $(ACCEL_VENV)

@@ -13,9 +13,7 @@ import argparse
 import gc
 import time
 
-import numpy as np
-
-from benchmarks import hf_baseline, workloads
+from benchmarks import hf_baseline, offline, workloads
 from benchmarks.timing import print_table, save_figure, save_text
 from engine import LLM, SamplingParams
 
@@ -57,14 +55,52 @@ def chat(args) -> None:
     save_text(table, "throughput_chat")
 
 
+def traces(args) -> None:
+    """Offline throughput on the ShareGPT-like and Alpaca-like traces: this engine (paged) vs
+    the paper's baselines in the same engine, at the same KV memory, vs HF ``generate`` in
+    static batches of what that memory holds at ``max_model_len``."""
+    scale, load = offline.scale(args.quick), offline.machine_note()
+    workload, results = offline.run_policies(scale, dtype=args.dtype)
+    hf = hf_baseline.HFModel(args.dtype)
+    for trace in workload:
+        seconds, tokens = hf.generate(trace.prompts, trace.output_lens, batch_size=scale.static_batch)
+        results[trace.name, "HF generate"] = offline.Run(seconds, len(trace.prompts), tokens, 0, [])
+    rows = [[trace, system, run.requests, run.tokens, run.seconds, run.requests_per_s, run.tokens_per_s,
+             run.tokens_per_s / results[trace, "HF generate"].tokens_per_s] for (trace, system), run in results.items()]
+    rows.sort(key=lambda row: row[0])
+    headers = ["trace", "system", "requests", "tokens", "seconds", "requests/s", "tokens/s", "tokens/s vs HF"]
+    note = (f"{args.dtype}; KV memory {scale.kv_tokens} tokens for every engine policy, max_model_len "
+            f"{scale.max_model_len}; HF static batches of {scale.static_batch}; {load}.")
+    name = offline.result_name("throughput_traces", args.quick)
+    save_text(f"{note}\n\n{print_table(headers, rows)}", name)
+    print(f"wrote {plot_traces(rows, name)}")
+
+
+def plot_traces(rows, name: str):
+    """Generated tokens/s per system, one panel per trace."""
+    import matplotlib.pyplot as plt
+
+    names = sorted({row[0] for row in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4))
+    for ax, trace in zip(axes, names):
+        mine = [row for row in rows if row[0] == trace]
+        ax.bar([row[1] for row in mine], [row[6] for row in mine])
+        ax.set_title(f"{trace}-like trace")
+        ax.set_ylabel("generated tokens/s")
+        ax.tick_params(axis="x", rotation=40)
+    return save_figure(fig, name)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=["chat", "traces"])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=110)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="traces: a few short requests, a small KV cache")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="traces: weights' dtype")
     args = parser.parse_args()
-    {"chat": chat}[args.workload](args)
+    {"chat": chat, "traces": traces}[args.workload](args)
 
 
 if __name__ == "__main__":
