@@ -55,7 +55,7 @@ _lock = threading.Lock()
 
 def _key(stage: str, config, mesh, args) -> tuple:
     leaves, structure = jax.tree.flatten(args)
-    return stage, config, mesh, structure, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
+    return stage, config, mesh, structure, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
 
 
 def _lower(stage: str, config, mesh, args):
@@ -64,14 +64,18 @@ def _lower(stage: str, config, mesh, args):
         return STAGES[stage].lower(config, *args)
 
 
-def call(stage: str, *args, config: models.ModelConfig, mesh=None):
-    """Run ``stage`` of ``config``'s model on ``args`` (split over ``mesh``, if any),
-    compiling for their shapes if needed."""
+def executable(stage: str, *args, config: models.ModelConfig, mesh=None):
+    """The compiled ``stage`` of ``config``'s model for arguments shaped like ``args`` (split
+    over ``mesh``, if any), compiling it if needed. Calls with same-shaped arguments (every
+    layer of a step) can share one lookup."""
     key = _key(stage, config, mesh, args)
-    executable = _compiled.get(key)
-    if executable is None:
-        executable = _compile(key, _lower(stage, config, mesh, args))
-    return executable(*args)
+    compiled = _compiled.get(key)
+    return _compile(key, _lower(stage, config, mesh, args)) if compiled is None else compiled
+
+
+def call(stage: str, *args, config: models.ModelConfig, mesh=None):
+    """Run ``stage`` on ``args``: :func:`executable`, then call it."""
+    return executable(stage, *args, config=config, mesh=mesh)(*args)
 
 
 def _compile(key, lowered):

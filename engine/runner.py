@@ -46,6 +46,14 @@ def bucket(sizes: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
+def _min_rows(params) -> int:
+    """The fewest rows a program multiplies by the weights. XLA:CPU's bfloat16 matrix-vector
+    product runs at a tenth of the speed of its two-row product (``benchmarks/throughput.py
+    chat`` measures it), so 16-bit weights get at least two rows; float32 is fastest unpadded."""
+    weights = jax.tree.leaves(params)
+    return 2 if any(w.dtype.itemsize == 2 for w in weights) and jax.default_backend() == "cpu" else 1
+
+
 # The runner picks logits rows in a program of their own (``StepInputs.logits_rows``), so the
 # layers' metadata carries none and one layer program serves every number of rows.
 _NO_ROWS = np.zeros(0, np.int32)
@@ -70,12 +78,15 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, mesh=None):
         self.config = config
         self.params = params
+        # What the embed and head stages read: everything but the layers. Passing the whole
+        # tree would cost each of those calls a few milliseconds of argument handling.
+        self.outer_params = {key: value for key, value in params.items() if key != "layers"}
         self.mesh = mesh
         self._inputs = parallel.replicated(mesh)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.decode_buckets = powers_of_two(1, max_num_seqs)
+        self.decode_buckets = powers_of_two(_min_rows(params), max_num_seqs)
         self.token_buckets = powers_of_two(16, max_num_batched_tokens)
 
     def prepare(self, works: Sequence[ScheduledGroupWork], logits_tokens: Sequence[int]) -> StepInputs:
@@ -120,13 +131,15 @@ class ModelRunner:
         The caches are donated: use the returned ones.
         """
         call = functools.partial(programs.call, config=self.config, mesh=self.mesh)
-        x = call("embed", self.params, inputs.input_ids, inputs.positions)
+        x = call("embed", self.outer_params, inputs.input_ids, inputs.positions)
+        layer = programs.executable("layer", self.params["layers"][0], x, inputs.positions, inputs.metadata,
+                                    kv_caches[0], config=self.config, mesh=self.mesh)
         new_caches = []
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
-            x, kv_cache = call("layer", layer_params, x, inputs.positions, inputs.metadata, kv_cache)
+            x, kv_cache = layer(layer_params, x, inputs.positions, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
         h = call("pick", x, inputs.logits_rows)
-        return call("head", self.params, h), new_caches
+        return call("head", self.outer_params, h), new_caches
 
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
@@ -134,7 +147,7 @@ class ModelRunner:
         shapes = [(1, size, size) for size in self.decode_buckets]
         shapes += [(2, size, rows) for size in self.token_buckets for rows in self.decode_buckets if rows <= size]
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
-        params, layer_params, kv_cache = abstract((self.params, self.params["layers"][0], kv_caches[0]))
+        params, layer_params, kv_cache = abstract((self.outer_params, self.params["layers"][0], kv_caches[0]))
         calls = []
         for kind, num_tokens, num_logits in shapes:
             works = self._dummy_works(kind, num_tokens)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from engine.requests import RequestState
@@ -48,7 +47,7 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
     pad = size - len(rows)
 
     def column(values, dtype, fill):
-        return jnp.asarray(np.array(list(values) + [fill] * pad, dtype))
+        return np.array(list(values) + [fill] * pad, dtype)
 
     penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in sampling)
     outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
@@ -66,9 +65,9 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
         seed=column((row.request.seed for row in rows), np.uint32, 0),
         sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
         step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
-        output_tokens=jnp.asarray(_padded_tokens(outputs, when=penalties)),
-        prompt_tokens=jnp.asarray(_padded_tokens(prompts, when=penalties)),
-        banned=jnp.asarray(_padded_tokens(banned, when=any(banned))),
+        output_tokens=_padded_tokens(outputs, when=penalties),
+        prompt_tokens=_padded_tokens(prompts, when=penalties),
+        banned=_padded_tokens(banned, when=any(banned)),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
         max_top_k=min(_pow2(top_k), 1 << 16) if top_k else 0,
@@ -83,7 +82,7 @@ def sample_rows(logits, rows: list[Row]) -> SamplerOutput:
     batch = batch_for(rows, num_top)
     index = np.zeros(batch.temperature.shape[0], np.int32)
     index[: len(rows)] = [row.logits_row for row in rows]
-    out = sample(logits, batch, jnp.asarray(index))
+    out = sample(logits, batch, index)
     return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
                                                                  out.top_logprobs)))
 
