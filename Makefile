@@ -38,6 +38,8 @@ bench: install
 	$(PY) -m benchmarks.throughput traces
 	$(PY) -m benchmarks.memory
 	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.tensor_parallel
+	$(PY) -m benchmarks.readme
 
 # The same scripts at a small scale, to check they run (results/*_quick.*; kernels.md is overwritten).
 bench-quick: install
@@ -45,6 +47,7 @@ bench-quick: install
 	$(PY) -m benchmarks.throughput traces --quick
 	$(PY) -m benchmarks.memory --quick
 	$(PY) -m benchmarks.serving --quick
+	$(PY) -m benchmarks.tensor_parallel --quick
 
 clean:
 	rm -rf $(VENV) $(ACCEL_VENV)

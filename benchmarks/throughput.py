@@ -10,11 +10,16 @@ every system generate the same number of tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from benchmarks import hf_baseline, offline, workloads
-from benchmarks.timing import print_table, save_figure, save_text
+from benchmarks.timing import print_table, save_figure, save_text, time_interleaved
 from engine import LLM, SamplingParams
 
 
@@ -27,10 +32,44 @@ def engine_run(llm: LLM, prompts, output_lens) -> tuple[float, int]:
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def memory_bandwidth(gigabytes: float = 0.5) -> float:
+    """Bytes per second a jitted sum reads from a float32 array far larger than the caches,
+    on every core (the same way the model's matrix-vector products read their weights)."""
+    data = jnp.ones(int(gigabytes * 2**30) // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = time_interleaved({"sum": lambda: total(data)}, rounds=9, min_seconds=0)["sum"]
+    return data.nbytes / seconds
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights one decode step reads (every parameter once)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(llm.engine.runner.params))
+
+
+def matvec(dtype: str, rows=(1, 2, 8, 32)) -> list[list]:
+    """XLA:CPU's rate for one decoder layer's products ([rows, 576] x SmolLM2's weights, 30
+    distinct layers so they come from memory) per weight dtype and rows: why the runner gives
+    16-bit weights at least two rows."""
+    shapes = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
+    rng = np.random.default_rng(0)
+    weights = [[jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes] for _ in range(30)]
+    nbytes = sum(w.nbytes for layer in weights for w in layer)
+
+    @jax.jit
+    def products(x, weights):
+        return [jnp.dot(x[:, : w.shape[0]].astype(w.dtype), w, preferred_element_type=jnp.float32)
+                for layer in weights for w in layer]
+
+    inputs = {m: jnp.ones((m, 1536), jnp.float32) for m in rows}
+    times = time_interleaved({m: functools.partial(products, inputs[m], weights) for m in rows}, rounds=5)
+    return [[f"{dtype} weights x {m} rows", nbytes, times[m] * 1e3, nbytes / times[m] / 1e9] for m in rows]
+
+
 def chat(args) -> None:
-    """The targets' setting: both dtypes, this engine vs HF, plus single-sequence decode."""
-    rows = []
-    baseline = {}
+    """The targets' setting: both dtypes, this engine vs HF, plus single-sequence decode
+    against the memory-bandwidth bound (weights bytes per token / measured bandwidth)."""
+    bandwidth = memory_bandwidth()
+    rows, bound_rows, baseline = [], [], {}
     for dtype in ("float32", "bfloat16"):
         hf = hf_baseline.HFModel(dtype)
         prompts = workloads.chat_prompts(hf.tokenizer, args.requests, args.prompt_tokens)
@@ -47,12 +86,19 @@ def chat(args) -> None:
         single = engine_run(llm, prompts[:1], [args.max_tokens])
         rows.append([f"pallas-paged {dtype}, 1 sequence", single[1], single[0], single[1] / single[0],
                      single[1] / single[0] / baseline[dtype]])
+        bound = bandwidth / weight_bytes(llm)
+        bound_rows.append([dtype, weight_bytes(llm) / 2**20, bound, single[1] / single[0],
+                           single[1] / single[0] / bound])
         del llm
         gc.collect()
     rows.append(["best pallas-paged vs HF bf16", "", "", "", max(r[3] for r in rows if "paged" in r[0]
                                                                    and "1 seq" not in r[0]) / baseline["bfloat16"]])
     table = print_table(["system", "tokens", "seconds", "tokens/s", "vs HF same dtype"], rows)
-    save_text(table, "throughput_chat")
+    bounds = print_table(["dtype", "weights MiB", "bound tokens/s", "1 sequence tokens/s", "vs bound"], bound_rows)
+    products = print_table(["products", "weight bytes", "ms", "GB/s"], matvec("float32") + matvec("bfloat16"))
+    save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound (measured "
+              f"bandwidth {bandwidth / 1e9:.1f} GB/s):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
+              f"{products}", "throughput_chat")
 
 
 def traces(args) -> None:
