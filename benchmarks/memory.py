@@ -30,7 +30,7 @@ from engine import BeamSearchParams, SamplingParams
 
 PARTS = ("batching", "sharing", "block-size")
 SHARING_WIDTHS = (2, 4, 6)
-BLOCK_SIZES = {False: (8, 16, 32, 64, 128, 256), True: (8, 64, 256)}  # by --quick
+BLOCK_SIZES = {False: (8, 16, 64, 256), True: (8, 64, 256)}  # by --quick
 
 
 def occupancy(engine) -> tuple[int, int, int, int]:

@@ -56,7 +56,7 @@ class Scale:
         return self.kv_tokens // self.max_model_len
 
 
-FULL = Scale(requests={"sharegpt": 64, "alpaca": 128}, max_model_len=2048, kv_tokens=16384, max_num_seqs=128,
+FULL = Scale(requests={"sharegpt": 64, "alpaca": 128}, max_model_len=1024, kv_tokens=16384, max_num_seqs=128,
              max_num_batched_tokens=2048)
 QUICK = Scale(requests={"sharegpt": 4, "alpaca": 12}, max_model_len=256, kv_tokens=1024, max_num_seqs=16,
               max_num_batched_tokens=256)
