@@ -47,9 +47,9 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def matvec(dtype: str, rows=(1, 2, 8, 32)) -> list[list]:
-    """XLA:CPU's rate for one decoder layer's products ([rows, 576] x SmolLM2's weights, 30
-    distinct layers so they come from memory) per weight dtype and rows: why the runner gives
-    16-bit weights at least two rows."""
+    """XLA:CPU's rate for SmolLM2's per-layer products ([rows, in] x [in, out] for each
+    weight; 30 distinct layers, so the weights come from memory, not the caches) per weight
+    dtype and row count: why the runner gives 16-bit weights at least two rows."""
     shapes = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
     rng = np.random.default_rng(0)
     weights = [[jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes] for _ in range(30)]
