@@ -30,11 +30,11 @@ from models import Metadata
 log = logging.getLogger(__name__)
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, ... up to the first power of two >= high (inclusive)."""
+def powers_of_two(low: int, high: int, *, factor: int = 2) -> tuple[int, ...]:
+    """low, factor*low, ... up to the first of them >= high (inclusive)."""
     sizes = [low]
     while sizes[-1] < high:
-        sizes.append(sizes[-1] * 2)
+        sizes.append(sizes[-1] * factor)
     return tuple(sizes)
 
 
@@ -62,13 +62,15 @@ _NO_ROWS = np.zeros(0, np.int32)
 @flax.struct.dataclass
 class StepInputs:
     """One step's device arrays. input_ids, positions: int32[T]; logits_rows: int32[L]
-    (indices into the T tokens); ``num_logits`` of the L rows are real."""
+    (indices into the T tokens); ``num_logits`` of the L rows are real. ``pick`` is False
+    when the logits rows are all T tokens in order (a decode step), so there is nothing to pick."""
 
     input_ids: jax.Array
     positions: jax.Array
     metadata: Metadata
     logits_rows: jax.Array
     num_logits: int = flax.struct.field(pytree_node=False)
+    pick: bool = flax.struct.field(pytree_node=False, default=True)
 
 
 class ModelRunner:
@@ -88,6 +90,10 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = powers_of_two(_min_rows(params), max_num_seqs)
         self.token_buckets = powers_of_two(16, max_num_batched_tokens)
+        # Rows of logits in steps with prompts: coarser than the decode buckets, since every
+        # (tokens, rows) pair is a program to compile, and a few padded rows cost little next
+        # to a prompt.
+        self.logits_buckets = powers_of_two(_min_rows(params), max_num_seqs, factor=4)
 
     def prepare(self, works: Sequence[ScheduledGroupWork], logits_tokens: Sequence[int]) -> StepInputs:
         """Padded arrays for ``works``; ``logits_tokens`` are indices (into the concatenated
@@ -116,12 +122,14 @@ class ModelRunner:
             context_lens[row] = work.context_len
             cursor += n
             query_start_loc[row + 1 :] = cursor
-        logits_rows = np.zeros(bucket(self.token_buckets if len(logits_tokens) > self.max_num_seqs
-                                      else self.decode_buckets, max(len(logits_tokens), 1)), np.int32)
+        pick = not (decode_only and list(logits_tokens) == list(range(len(works))))
+        sizes = self.decode_buckets if not pick else (
+            self.token_buckets if len(logits_tokens) > self.max_num_seqs else self.logits_buckets)
+        logits_rows = np.zeros(min(bucket(sizes, max(len(logits_tokens), 1)), num_padded), np.int32)
         logits_rows[: len(logits_tokens)] = logits_tokens
         metadata = Metadata(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
                             query_start_loc=query_start_loc, logits_indices=_NO_ROWS, decode_only=decode_only)
-        inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens))
+        inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens), pick)
         return jax.device_put(inputs, self._inputs)
 
     def run(self, inputs: StepInputs, kv_caches):
@@ -138,14 +146,14 @@ class ModelRunner:
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
             x, kv_cache = layer(layer_params, x, inputs.positions, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
-        h = call("pick", x, inputs.logits_rows)
+        h = call("pick", x, inputs.logits_rows) if inputs.pick else x
         return call("head", self.outer_params, h), new_caches
 
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
         shapes = [(1, size, size) for size in self.decode_buckets]
-        shapes += [(2, size, rows) for size in self.token_buckets for rows in self.decode_buckets if rows <= size]
+        shapes += [(2, size, rows) for size in self.token_buckets for rows in sorted({min(r, size) for r in self.logits_buckets})]
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
         params, layer_params, kv_cache = abstract((self.outer_params, self.params["layers"][0], kv_caches[0]))
         calls = []
@@ -158,8 +166,9 @@ class ModelRunner:
                                      sharding=inputs.input_ids.sharding)
             calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
                       ("layer", self.config, self.mesh, (layer_params, x, inputs.positions, inputs.metadata, kv_cache)),
-                      ("pick", self.config, self.mesh, (x, inputs.logits_rows)),
                       ("head", self.config, self.mesh, (params, h))]
+            if inputs.pick:
+                calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
