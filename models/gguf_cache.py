@@ -1,7 +1,7 @@
 """A converted copy of each GGUF file, so only the first load pays for the conversion.
 
 Reading a GGUF means dequantising every tensor and rebuilding the tokenizer from its
-vocabulary (about 8 s for SmolLM2-135M); the converted tensors (HF names, float32, one
+vocabulary (about 1.6 s for SmolLM2-135M); the converted tensors (HF names, float32, one
 ``.npy`` file each, memory-mapped on load) and the tokenizer (``save_pretrained``) load in
 well under a second. The copy lives in ``$PALLAS_PAGED_CACHE_DIR/models`` (default
 ``~/.cache/pallas-paged``; an empty value turns caching off), keyed by the file's path, size

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from models import gguf_cache, llama, opt
+from models import gguf_cache, gguf_file, llama, opt
 from models.config import ModelConfig, ModelLoadError, from_gguf, from_hf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -136,17 +136,6 @@ def _safetensors_reader(path: Path):
         yield get
 
 
-def _read_gguf(path: Path):
-    """The file's tensors by name and its scalar metadata.
-
-    The reader itself is dropped on return: its parsed tokenizer arrays cost
-    more memory than the quantised weights.
-    """
-    reader = gguf.GGUFReader(path)
-    metadata = {k: f.contents() for k, f in reader.fields.items() if f.types[:1] != [gguf.GGUFValueType.ARRAY]}
-    return {t.name: t for t in reader.tensors}, metadata
-
-
 def _load_gguf(path: Path, put) -> LoadedModel:
     """A GGUF file, through its converted copy when there is one (see :mod:`models.gguf_cache`)."""
     directory = gguf_cache.entry(path)
@@ -167,7 +156,7 @@ def _load_gguf(path: Path, put) -> LoadedModel:
 
 def _convert_gguf(path: Path, put, record) -> LoadedModel:
     """Dequantise ``path``; ``record`` wraps the tensor getter (to keep a converted copy)."""
-    tensors, metadata = _read_gguf(path)
+    tensors, metadata = gguf_file.read(path)
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor (architecture "
                              f"{metadata.get(gguf.Keys.General.ARCHITECTURE)!r})")
@@ -179,9 +168,7 @@ def _convert_gguf(path: Path, put, record) -> LoadedModel:
     get = record(functools.partial(_gguf_tensor, config, tensors, gguf.get_tensor_name_map(
         gguf.MODEL_ARCH.LLAMA, config.num_layers)))
     params = llama.params_from_hf(config, get, put)
-    has_tokenizer = gguf.Keys.Tokenizer.MODEL in metadata
-    return LoadedModel(config, params,
-                       AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if has_tokenizer else None)
+    return LoadedModel(config, params, gguf_file.tokenizer(metadata))
 
 
 def _gguf_tensor(config: ModelConfig, tensors, name_map: gguf.TensorNameMap, hf_name: str) -> np.ndarray:

@@ -92,3 +92,22 @@ def test_second_load_reads_the_converted_copy(tmp_path, converted_copies_in, mon
     second = models.load_model(path)
     assert second.config == first.config
     jax.tree.map(np.testing.assert_array_equal, second.params, first.params)
+
+
+def test_default_gguf_tokenizer_is_the_one_transformers_builds():
+    from transformers import AutoTokenizer
+
+    path = models.loader.default_gguf()
+    ours = models.gguf_file.tokenizer(models.gguf_file.read(path)[1])
+    want = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    texts = ["Hello, world!", "  leading spaces and\ttabs\nnew lines", "naïve café – 東京 🙂", "x" * 300,
+             "<|im_start|>user\nWhat is 2+2?<|im_end|>", "def f(a):\n    return a ** 2  # comment", ""]
+    for text in texts:
+        assert ours(text).input_ids == want(text).input_ids, text
+        assert ours.decode(want(text).input_ids) == want.decode(want(text).input_ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == want.apply_chat_template(
+        chat, add_generation_prompt=True)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids"):
+        assert getattr(ours, name) == getattr(want, name), name
+    assert len(ours) == len(want)
