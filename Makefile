@@ -35,6 +35,7 @@ serve: install
 bench: install
 	$(PY) -m benchmarks.kernels
 	$(PY) -m benchmarks.throughput chat
+	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.throughput traces
 	$(PY) -m benchmarks.memory
 	$(PY) -m benchmarks.serving
@@ -44,6 +45,7 @@ bench: install
 # The same scripts at a small scale, to check they run (results/*_quick.*; kernels.md is overwritten).
 bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
+	$(PY) -m benchmarks.startup --quick
 	$(PY) -m benchmarks.throughput traces --quick
 	$(PY) -m benchmarks.memory --quick
 	$(PY) -m benchmarks.serving --quick

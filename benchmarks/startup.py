@@ -1,0 +1,68 @@
+"""Seconds from ``python -m engine.serve`` (default model, default settings) to a healthy
+server: weights loaded and every bucket compiled.
+
+    python -m benchmarks.startup [--rounds N] [--quick]
+
+Cold: an empty cache directory (``PALLAS_PAGED_CACHE_DIR``), so the GGUF file is converted
+and every program compiled. Warm: the same directory again, as on every start after the
+first. The target is 30 s (vLLM's CPU build takes 45-58 s on this machine). Rounds
+alternate cold and warm; the table has the median and the slowest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+from benchmarks import offline
+from benchmarks.timing import print_table, save_text
+from tests.engine.server import running_server
+
+TARGET_SECONDS = 30.0
+
+
+@contextlib.contextmanager
+def cache_directory(path: str):
+    """Run the servers started inside with ``path`` as their cache root."""
+    previous = os.environ.get("PALLAS_PAGED_CACHE_DIR")
+    os.environ["PALLAS_PAGED_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PALLAS_PAGED_CACHE_DIR"]
+        else:
+            os.environ["PALLAS_PAGED_CACHE_DIR"] = previous
+
+
+def seconds_to_healthy() -> float:
+    start = time.perf_counter()
+    with running_server():
+        return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round, written to startup_quick.md")
+    args = parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
+    note = offline.machine_note()
+    times = {"cold": [], "warm": []}
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as root, cache_directory(root):
+            for kind in times:
+                times[kind].append(seconds_to_healthy())
+                print(f"{kind}: {times[kind][-1]:.1f} s", flush=True)
+    rows = [[kind, len(values), statistics.median(values), max(values), TARGET_SECONDS,
+             "met" if max(values) <= TARGET_SECONDS else "missed"] for kind, values in times.items()]
+    table = print_table(["start", "runs", "median s", "slowest s", "target s", "target"], rows)
+    save_text(f"`python -m engine.serve` until /health answers 200; {note}.\n\n{table}", offline.result_name("startup", args.quick))
+
+
+if __name__ == "__main__":
+    main()
