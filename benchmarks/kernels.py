@@ -66,12 +66,17 @@ def paged_inputs(seqs, context, dtype, rng):
     return as_jax(contiguous[0]), as_jax(contiguous[1]), as_jax(paged[0]), as_jax(paged[1]), jnp.asarray(tables)
 
 
+def compiled(fn, *args):
+    """``fn`` compiled for ``args`` with the options the kernels ask for (what the engine uses)."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=pallas_paged.compiler_options(jax.default_backend()))
+
+
 def bench_decode(seqs, context, dtype, rng):
     k, v, k_cache, v_cache, tables = paged_inputs(seqs, context, dtype, rng)
     q = jnp.asarray(rng.standard_normal((seqs, Q_HEADS, HEAD_DIM)), dtype)
     lens = jnp.full((seqs,), context, jnp.int32)
-    paged = jax.jit(pallas_paged.paged_attention)
-    gather = jax.jit(functools.partial(xla.paged_attention, scale=SCALE))
+    paged = compiled(pallas_paged.paged_attention, q, k_cache, v_cache, tables, lens)
+    gather = compiled(functools.partial(xla.paged_attention, scale=SCALE), q, k_cache, v_cache, tables, lens)
     reference = dense_decode(q, k, v, lens)
     np.testing.assert_allclose(np.asarray(paged(q, k_cache, v_cache, tables, lens), np.float32),
                                np.asarray(reference, np.float32), atol=3e-2)
@@ -88,8 +93,9 @@ def bench_prefill(seqs, length, dtype, rng):
     flat_q = q.reshape(seqs * length, Q_HEADS, HEAD_DIM)
     lens = jnp.full((seqs,), length, jnp.int32)
     starts = jnp.arange(seqs + 1, dtype=jnp.int32) * length
-    paged = jax.jit(pallas_paged.ragged_paged_attention)
-    gather = jax.jit(functools.partial(xla.ragged_paged_attention, scale=SCALE))
+    paged = compiled(pallas_paged.ragged_paged_attention, flat_q, k_cache, v_cache, tables, lens, starts)
+    gather = compiled(functools.partial(xla.ragged_paged_attention, scale=SCALE), flat_q, k_cache, v_cache, tables,
+                      lens, starts)
     reference = dense_prefill(q, k, v).reshape(flat_q.shape)
     np.testing.assert_allclose(np.asarray(paged(flat_q, k_cache, v_cache, tables, lens, starts), np.float32),
                                np.asarray(reference, np.float32), atol=3e-2)

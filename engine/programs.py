@@ -17,6 +17,7 @@ import threading
 import jax
 
 import models
+import pallas_paged
 
 
 def _replicated(x):
@@ -79,10 +80,13 @@ def call(stage: str, *args, config: models.ModelConfig, mesh=None):
 
 
 def _compiler_options() -> dict:
-    """XLA:CPU at optimisation level 1 instead of 2: the steps run as fast (measured with
-    ``benchmarks/throughput.py chat``) and every program compiles in about two thirds of
-    the time, which is most of a cold start."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
+    """The kernels' options (:func:`pallas_paged.compiler_options`), and on CPU optimisation
+    level 1 instead of 2: the steps run as fast (measured with ``benchmarks/throughput.py
+    chat``) and every program compiles in about two thirds of the time, which is most of a
+    cold start."""
+    platform = jax.default_backend()
+    level = {"xla_backend_optimization_level": 1} if platform == "cpu" else {}
+    return {**pallas_paged.compiler_options(platform), **level}
 
 
 def _compile(key, lowered):

@@ -120,3 +120,22 @@ def test_tpu_decode_kernel_in_interpret_mode(heads):
     s = make(decode_seqs([1, 16, 40]), q_heads=q_heads, kv_heads=kv_heads, head_dim=128, block_size=8)
     actual = decode_tpu.paged_attention(*s.decode_args, scale=128**-0.5, interpret=True)
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.float32)
+
+
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+def test_bfloat16_cache_is_never_converted_whole_on_cpu(op):
+    """With :func:`pallas_paged.compiler_options`, a call reads the blocks it needs and never
+    converts the whole bfloat16 cache to float32 (a cost that would grow with the cache): its
+    scratch memory is smaller than one cache array."""
+    blocks, tokens = 512, 8
+    k_cache = jnp.zeros((3, blocks, 16, 64), jnp.bfloat16)
+    tables = jnp.zeros((tokens, 4), jnp.int32)
+    lens = jnp.full((tokens,), 40, jnp.int32)
+    q = jnp.zeros((tokens, 9, 64), jnp.bfloat16)
+    if op == "decode":
+        lowered = jax.jit(pallas_paged.paged_attention).lower(q, k_cache, k_cache, tables, lens)
+    else:
+        starts = jnp.arange(tokens + 1, dtype=jnp.int32)
+        lowered = jax.jit(pallas_paged.ragged_paged_attention).lower(q, k_cache, k_cache, tables, lens, starts)
+    compiled = lowered.compile(compiler_options=pallas_paged.compiler_options("cpu"))
+    assert compiled.memory_analysis().temp_size_in_bytes < k_cache.nbytes
