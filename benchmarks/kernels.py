@@ -31,7 +31,10 @@ SCALE = HEAD_DIM**-0.5
 
 @jax.jit
 def dense_decode(q, k, v, context_lens):
-    """q: [seqs, q_heads, d]; k, v: [seqs, kv_heads, ctx, d] contiguous → [seqs, q_heads, d]."""
+    """q: [seqs, q_heads, d]; k, v: [seqs, kv_heads, ctx, d] contiguous → [seqs, q_heads, d].
+
+    In float32: XLA:CPU's dot thunk rejects a batched bfloat16 x bfloat16 -> float32 product
+    ("Unsupported element type for DotThunk"), so a bfloat16 cache is converted first."""
     seqs, _, ctx, _ = k.shape
     qg = q.reshape(seqs, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
     scores = jnp.einsum("shgd,shkd->shgk", qg, k.astype(jnp.float32))
