@@ -111,3 +111,22 @@ def test_default_gguf_tokenizer_is_the_one_transformers_builds():
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids"):
         assert getattr(ours, name) == getattr(want, name), name
     assert len(ours) == len(want)
+
+
+def test_default_gguf_loads_without_torch(tmp_path):
+    """torch is only a test dependency: converting the default GGUF, tokenizer and chat template
+    included, must not need it (transformers' own GGUF tokenizer route imports torch)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from models import loader\n"
+              "config, params, tokenizer = loader.load_model()\n"
+              "chat = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True)\n"
+              "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+              "print(len(chat), config.num_layers)\n")
+    env = {**os.environ, "PALLAS_PAGED_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "30"
