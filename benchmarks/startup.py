@@ -61,7 +61,8 @@ def main():
     rows = [[kind, len(values), statistics.median(values), max(values), TARGET_SECONDS,
              "met" if max(values) <= TARGET_SECONDS else "missed"] for kind, values in times.items()]
     table = print_table(["start", "runs", "median s", "slowest s", "target s", "target"], rows)
-    save_text(f"`python -m engine.serve` until /health answers 200; {note}.\n\n{table}", offline.result_name("startup", args.quick))
+    save_text(f"`python -m engine.serve` until /health answers 200; {note}.\n\n{table}",
+              offline.result_name("startup", args.quick))
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ class ModelRunner:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
         shapes = [(1, size, size) for size in self.decode_buckets]
-        shapes += [(2, size, rows) for size in self.token_buckets for rows in sorted({min(r, size) for r in self.logits_buckets})]
+        shapes += [(2, size, rows) for size in self.token_buckets
+                   for rows in sorted({min(r, size) for r in self.logits_buckets})]
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
         params, layer_params, kv_cache = abstract((self.outer_params, self.params["layers"][0], kv_caches[0]))
         calls = []

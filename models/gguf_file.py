@@ -51,7 +51,8 @@ def tokenizer(metadata: dict) -> PreTrainedTokenizerBase | None:
     ``AutoTokenizer.from_pretrained(directory, gguf_file=name)`` builds, from the same keys."""
     if gguf.Keys.Tokenizer.MODEL not in metadata:
         return None
-    groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+    groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                      if f"tokenizer.{key}" in metadata}
               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
     vocabulary, config = groups["tokenizer"], groups["tokenizer_config"]
     if vocabulary.get("tokenizer_type") == "llama":
