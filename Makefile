@@ -42,7 +42,7 @@ bench: install
 	$(PY) -m benchmarks.tensor_parallel
 	$(PY) -m benchmarks.readme
 
-# The same scripts at a small scale, to check they run (results/*_quick.*; kernels.md is overwritten).
+# The same scripts at a small scale, to check they run (results/*_quick.*, not committed).
 bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.startup --quick

@@ -23,7 +23,7 @@ import numpy as np
 
 import pallas_paged
 from pallas_paged import xla
-from benchmarks.timing import print_table, save_figure, save_text, time_interleaved
+from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -121,7 +121,7 @@ def run(cases, bench, title, rng):
     return rows, print_table(headers, rows)
 
 
-def plot(decode_rows, prefill_rows):
+def plot(decode_rows, prefill_rows, name: str):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -133,7 +133,7 @@ def plot(decode_rows, prefill_rows):
         ax.set_title(f"{title}: paged attention overhead")
         ax.tick_params(axis="x", rotation=70, labelsize=7)
         ax.legend()
-    return save_figure(fig, "kernels")
+    return save_figure(fig, name)
 
 
 def main():
@@ -148,8 +148,9 @@ def main():
         prefill_cases = [(1, 128), (8, 128), (1, 512), (4, 512), (1, 2048), (2, 2048)]
     decode_rows, decode_table = run(decode_cases, bench_decode, "Decode (one token per sequence), ms per call", rng)
     prefill_rows, prefill_table = run(prefill_cases, bench_prefill, "Prefill (whole prompts, causal), ms per call", rng)
-    save_text(f"Decode\n\n{decode_table}\n\nPrefill\n\n{prefill_table}", "kernels")
-    print(f"\nwrote {plot(decode_rows, prefill_rows)}")
+    name = result_name("kernels", args.quick)
+    save_text(f"Decode\n\n{decode_table}\n\nPrefill\n\n{prefill_table}", name)
+    print(f"\nwrote {plot(decode_rows, prefill_rows, name)}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import gc
 import math
 
 from benchmarks import offline, workloads
-from benchmarks.timing import print_table, save_figure, save_text, time_interleaved
+from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 from engine import BeamSearchParams, SamplingParams
 
 PARTS = ("batching", "sharing", "block-size")
@@ -201,7 +201,7 @@ def main():
     for part in args.part:
         measure, plot = parts[part]
         rows, table = measure()
-        name = offline.result_name(f"memory_{part.replace('-', '_')}", args.quick)
+        name = result_name(f"memory_{part.replace('-', '_')}", args.quick)
         save_text(f"{note}\n\n{table}", name)
         print(f"wrote {plot(rows, name)}", flush=True)
 

@@ -145,8 +145,3 @@ def run_policies(scale: Scale, *, dtype: str = "float32", observe: Callable | No
 def machine_note() -> str:
     """The machine's load when a benchmark starts: it is shared, and numbers depend on it."""
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start"
-
-
-def result_name(name: str, quick: bool) -> str:
-    """File name under ``benchmarks/results/``: quick runs never overwrite full results."""
-    return f"{name}_quick" if quick else name

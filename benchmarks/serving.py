@@ -22,7 +22,7 @@ import numpy as np
 import openai
 
 from benchmarks import offline, workloads
-from benchmarks.timing import print_table, save_figure, save_text
+from benchmarks.timing import print_table, result_name, save_figure, save_text
 from tests.engine.server import running_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -136,7 +136,7 @@ def main():
                 trace = workloads.trace(name, count, vocab_size=VOCAB_SIZE, rate=rate, max_len=scale.max_model_len)
                 rows.append(summarise(trace, rate, *asyncio.run(replay(url, trace))))
                 print(f"{name} at {rate} req/s: normalised latency {rows[-1][-1]:.3f} s/token", flush=True)
-    name = offline.result_name("serving", args.quick)
+    name = result_name("serving", args.quick)
     save_text(f"{note}\n\n{print_table(HEADERS, rows)}", name)
     print(f"wrote {plot(rows, name)}")
 

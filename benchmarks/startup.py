@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from benchmarks import offline
-from benchmarks.timing import print_table, save_text
+from benchmarks.timing import print_table, result_name, save_text
 from tests.engine.server import running_server
 
 TARGET_SECONDS = 30.0
@@ -62,7 +62,7 @@ def main():
              "met" if max(values) <= TARGET_SECONDS else "missed"] for kind, values in times.items()]
     table = print_table(["start", "runs", "median s", "slowest s", "target s", "target"], rows)
     save_text(f"`python -m engine.serve` until /health answers 200; {note}.\n\n{table}",
-              offline.result_name("startup", args.quick))
+              result_name("startup", args.quick))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.timing import print_table, save_text
+from benchmarks.timing import print_table, result_name, save_text
 
 MODEL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
@@ -83,7 +83,7 @@ def main():
             rows.append([devices, result["weights_mb"], result["kv_mb"], result["step_ms"]])
     table = print_table(["devices", "weights MiB per device", "KV MiB per device", f"decode step ms ({seqs} seqs)"],
                         rows)
-    save_text(table, "tensor_parallel")
+    save_text(table, result_name("tensor_parallel", args.quick))
 
 
 if __name__ == "__main__":

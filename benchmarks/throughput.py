@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import hf_baseline, offline, workloads
-from benchmarks.timing import print_table, save_figure, save_text, time_interleaved
+from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 from engine import LLM, SamplingParams
 
 
@@ -117,7 +117,7 @@ def traces(args) -> None:
     headers = ["trace", "system", "requests", "tokens", "seconds", "requests/s", "tokens/s", "tokens/s vs HF"]
     note = (f"{args.dtype}; KV memory {scale.kv_tokens} tokens for every engine policy, max_model_len "
             f"{scale.max_model_len}; HF static batches of {scale.static_batch}; {load}.")
-    name = offline.result_name("throughput_traces", args.quick)
+    name = result_name("throughput_traces", args.quick)
     save_text(f"{note}\n\n{print_table(headers, rows)}", name)
     print(f"wrote {plot_traces(rows, name)}")
 

@@ -66,3 +66,8 @@ def save_text(text: str, name: str) -> pathlib.Path:
     path = RESULTS / f"{name}.md"
     path.write_text(text + "\n")
     return path
+
+
+def result_name(name: str, quick: bool) -> str:
+    """File name under ``benchmarks/results/``: quick runs never overwrite full results."""
+    return f"{name}_quick" if quick else name
