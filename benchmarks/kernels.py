@@ -32,15 +32,13 @@ SCALE = HEAD_DIM**-0.5
 @jax.jit
 def dense_decode(q, k, v, context_lens):
     """q: [seqs, q_heads, d]; k, v: [seqs, kv_heads, ctx, d] contiguous → [seqs, q_heads, d].
-
-    In float32: XLA:CPU's dot thunk rejects a batched bfloat16 x bfloat16 -> float32 product
-    ("Unsupported element type for DotThunk"), so a bfloat16 cache is converted first."""
+    Products in the cache's dtype with float32 accumulation, as the kernels do."""
     seqs, _, ctx, _ = k.shape
-    qg = q.reshape(seqs, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
-    scores = jnp.einsum("shgd,shkd->shgk", qg, k.astype(jnp.float32))
+    qg = (q.reshape(seqs, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE).astype(k.dtype)
+    scores = jnp.einsum("shgd,shkd->shgk", qg, k, preferred_element_type=jnp.float32)
     valid = jnp.arange(ctx)[None, None, None, :] < context_lens[:, None, None, None]
     weights = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("shgk,shkd->shgd", weights, v.astype(jnp.float32))
+    out = jnp.einsum("shgk,shkd->shgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -48,11 +46,11 @@ def dense_decode(q, k, v, context_lens):
 def dense_prefill(q, k, v):
     """Causal attention. q: [seqs, len, q_heads, d]; k, v: [seqs, kv_heads, len, d] → like q."""
     seqs, length, _, _ = q.shape
-    qg = q.reshape(seqs, length, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
-    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k.astype(jnp.float32))
+    qg = (q.reshape(seqs, length, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE).astype(k.dtype)
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k, preferred_element_type=jnp.float32)
     causal = jnp.tril(jnp.ones((length, length), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("shgqk,shkd->sqhgd", weights, v.astype(jnp.float32))
+    out = jnp.einsum("shgqk,shkd->sqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)
 
 

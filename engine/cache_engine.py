@@ -31,7 +31,6 @@ def _padded(ids, pool_size: int) -> jax.Array:
     return jnp.asarray(np.pad(ids, (0, size - len(ids)), constant_values=pool_size))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def _copy(kv_caches, src, dst):
     return [pallas_paged.copy_blocks(k, v, src, dst) for k, v in kv_caches]
 
@@ -74,8 +73,10 @@ class CacheEngine:
         self.num_host_blocks = num_host_blocks
         self._host_spec = host_spec
         self._host_caches = None
-        self._swap_out = jax.jit(_swap_out, donate_argnums=(0,))
-        self._swap_in = jax.jit(_swap_in, donate_argnums=(0,))
+        # Compiled with the kernels' options, under which 16-bit caches are updated in place.
+        jit = functools.partial(jax.jit, donate_argnums=(0,),
+                                compiler_options=pallas_paged.compiler_options(jax.default_backend()))
+        self._swap_out, self._swap_in, self._copy = jit(_swap_out), jit(_swap_in), jit(_copy)
         log.info("KV cache: %d device blocks (%.1f MiB), %d host blocks (%.1f MiB)", spec.num_blocks,
                  spec.num_blocks * spec.bytes_per_block / 2**20, num_host_blocks,
                  num_host_blocks * spec.bytes_per_block / 2**20)
@@ -110,7 +111,7 @@ class CacheEngine:
                                            self._device_ids(device_ids))
         if copy:
             src, dst = zip(*copy)
-            self.kv_caches = _copy(self.kv_caches, self._device_ids(src), self._device_ids(dst))
+            self.kv_caches = self._copy(self.kv_caches, self._device_ids(src), self._device_ids(dst))
 
     def _device_ids(self, ids):
         return _padded(ids, self.spec.num_blocks)

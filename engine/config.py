@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 import pallas_paged
@@ -75,11 +74,8 @@ class EngineConfig:
 
     @property
     def cache_dtype(self) -> str:
-        """"auto" is float32 on CPU, where XLA computes every bfloat16 scatter and select in
-        float32 (converting the whole cache each step), and the weights' dtype elsewhere."""
-        if self.kv_cache_dtype != "auto":
-            return self.kv_cache_dtype
-        return "float32" if jax.default_backend() == "cpu" else self.param_dtype
+        """"auto" is the weights' dtype."""
+        return self.param_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def kv_cache_spec(self, model: ModelConfig) -> pallas_paged.KVCacheSpec:
         """The device KV cache for ``model``: ``num_blocks`` or as many as ``kv_cache_memory`` holds."""

@@ -36,8 +36,7 @@ class LLM:
 
     model: a Hugging Face directory, a ``.gguf`` file, or None for SmolLM2-135M-Instruct.
     dtype: the weights', "auto" (float32), "float32" or "bfloat16"; activations are float32.
-    kv_cache_dtype: "auto" (float32 on CPU, where it is faster; else the weights'), "float32" or
-    "bfloat16". block_size: tokens per KV block.
+    kv_cache_dtype: "auto" (the weights'), "float32" or "bfloat16". block_size: tokens per KV block.
     num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes, 1 GiB by
     default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).

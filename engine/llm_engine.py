@@ -69,10 +69,6 @@ class LLMEngine:
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
         mesh = parallel.make_mesh(config.tensor_parallel_size)
         spec = config.kv_cache_spec(self.model_config)
-        if spec.dtype.itemsize == 2 and jax.default_backend() == "cpu":
-            log.warning("a %s KV cache on CPU is slow: XLA:CPU copies the whole cache to write each "
-                        "step's keys and values; kv_cache_dtype='float32' (the CPU default) avoids it",
-                        spec.dtype.name)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights (activations are float32)")
     add("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="auto: float32 on CPU, else the weights' dtype")
+        help="auto: the weights' dtype")
     add("--block-size", type=int, default=16)
     add("--num-blocks", type=int, default=None, help="device KV blocks (default: from --kv-cache-memory)")
     add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default 1 GiB)")

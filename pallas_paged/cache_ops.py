@@ -2,7 +2,8 @@
 
 These move memory rather than compute, so XLA's scatter and gather are already
 the right tool on every platform; under ``jit`` with the caches donated they
-update the cache in place.
+update the cache in place (on CPU, compile 16-bit caches' programs with
+:func:`pallas_paged.compiler_options`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-
-def _as_bits(array):
-    """16-bit floats viewed as uint16: XLA:CPU scatters bfloat16 by converting the whole
-    cache to float32 and back, an integer scatter updates it in place."""
-    return jax.lax.bitcast_convert_type(array, jnp.uint16) if array.dtype.itemsize == 2 else array
-
-
-def _from_bits(array, dtype):
-    return jax.lax.bitcast_convert_type(array, dtype) if array.dtype != dtype else array
+from pallas_paged.xla_options import compiler_options
 
 
 def _set(cache, index, values):
-    """``cache.at[index].set(values, mode="drop")``, in place for every dtype."""
-    updated = _as_bits(cache).at[index].set(_as_bits(values.astype(cache.dtype)), mode="drop")
-    return _from_bits(updated, cache.dtype)
+    """``cache.at[index].set(values, mode="drop")``: in place under ``jit`` with the cache
+    donated (for 16-bit caches on CPU, with :func:`pallas_paged.compiler_options`)."""
+    return cache.at[index].set(values.astype(cache.dtype), mode="drop")
 
 
 def _drop_negative(index, size):
@@ -109,9 +102,14 @@ def swap_in(k_cache, v_cache, host_k, host_v, block_ids):
     device = jax.sharding.SingleDeviceSharding(_device_of(k_cache))
     host_k, host_v = jax.device_put((host_k, host_v), device)
     block_ids = _drop_negative(jnp.asarray(block_ids), k_cache.shape[1])
-    return _scatter_both(k_cache, v_cache, host_k, host_v, block_ids)
+    return _scatter_both()(k_cache, v_cache, host_k, host_v, block_ids)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter_both(k_cache, v_cache, k_blocks, v_blocks, block_ids):
-    return scatter_blocks(k_cache, k_blocks, block_ids), scatter_blocks(v_cache, v_blocks, block_ids)
+@functools.cache
+def _scatter_both():
+    """Both caches' scatter, compiled with :func:`compiler_options` (in place for 16-bit caches)."""
+
+    def scatter(k_cache, v_cache, k_blocks, v_blocks, block_ids):
+        return scatter_blocks(k_cache, k_blocks, block_ids), scatter_blocks(v_cache, v_blocks, block_ids)
+
+    return jax.jit(scatter, donate_argnums=(0, 1), compiler_options=compiler_options(jax.default_backend()))

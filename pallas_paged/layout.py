@@ -85,18 +85,9 @@ def load_blocks(cache_ref, heads, block_tables_ref, seq, first, count: int, *, o
     """
     if one_by_one:
         blocks = [cache_ref[heads, block_tables_ref[seq, first + j]] for j in range(count)]
-        return _concatenate_bits(blocks, axis=-2)
+        return jnp.concatenate(blocks, axis=-2)
     block_ids = block_tables_ref[seq, pl.ds(first, count)]
     blocks = cache_ref[heads, block_ids]
     *lead, n, block_size, head_dim = blocks.shape
     return blocks.reshape(*lead, n * block_size, head_dim)
 
-
-def _concatenate_bits(arrays, axis):
-    """``jnp.concatenate``, done on the bits for 16-bit floats: XLA:CPU upcasts a bfloat16
-    concatenate to float32 and then hoists that conversion of the whole cache out of the loop."""
-    dtype = arrays[0].dtype
-    if dtype.itemsize != 2:
-        return jnp.concatenate(arrays, axis=axis)
-    bits = [jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays]
-    return jax.lax.bitcast_convert_type(jnp.concatenate(bits, axis=axis), dtype)

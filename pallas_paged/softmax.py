@@ -32,15 +32,6 @@ def _weighted_sum(p, v):
     return jnp.einsum("hrk,hkd->hrd", p, v, preferred_element_type=jnp.float32)
 
 
-def _zero_unless(keep, x):
-    """``where(keep, x, 0)``; on the bits for 16-bit floats, since XLA:CPU computes a bfloat16
-    select in float32 and hoists the conversion of the whole cache out of the kernel's loop."""
-    if x.dtype.itemsize != 2:
-        return jnp.where(keep, x, jnp.zeros((), x.dtype))
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jnp.where(keep, bits, jnp.uint16(0)), x.dtype)
-
-
 def initial_state(q):
     """Empty accumulators for query tile ``q[..., rows, d]``: (acc, row max, row sum)."""
     stats_shape = q.shape[:-1] + (1,)
@@ -65,7 +56,7 @@ def update(state, q, k, v, first_key, context_len, query_pos=None):
     keys = k.shape[-2]
     key_pos = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
     key_pos_col = first_key + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
-    v = _zero_unless(key_pos_col < context_len, v)
+    v = jnp.where(key_pos_col < context_len, v, jnp.zeros((), v.dtype))
     visible = key_pos < context_len
     if query_pos is not None:
         visible = visible & (key_pos <= query_pos)

@@ -38,3 +38,21 @@ def test_greedy_equals_hugging_face(name, parity_prompts, hf_parity):
     if name.startswith("preempt"):
         assert llm.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
     assert_all_blocks_free(llm)
+
+
+def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
+    """bfloat16 weights and (by "auto") cache: preempted by swapping blocks out and in, or
+    sharing the prompt's blocks between two samples, each sequence gets the tokens of an
+    unconstrained run; nothing leaks."""
+    expected = [list(o.outputs[0].token_ids) for o in LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
+                .generate(parity_prompts, GREEDY, use_tqdm=False)]
+    swapped = LLM(dtype="bfloat16", **COMMON, **CONFIGS["preempt_swap"])
+    outputs = swapped.generate(parity_prompts, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert swapped.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
+    assert_all_blocks_free(swapped)
+    shared = LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
+    pairs = shared.generate(parity_prompts, SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS),
+                            use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in pairs] == [[tokens, tokens] for tokens in expected]
+    assert_all_blocks_free(shared)

@@ -94,3 +94,19 @@ def test_cache_spec_allocates_every_layer():
     assert len(caches) == 2
     assert all(c.shape == (3, 5, 16, 64) and not c.any() for layer in caches for c in layer)
     assert spec.bytes_per_block == 2 * 2 * 3 * 16 * 64 * 4
+
+
+@pytest.mark.parametrize("op", ["write_kv", "copy_blocks"])
+def test_16_bit_caches_are_updated_in_place_on_cpu(op):
+    """Compiled with :func:`pallas_paged.compiler_options`, with the caches donated, writing a
+    few slots or copying a few blocks of a bfloat16 cache needs no scratch the size of a cache
+    (XLA:CPU's default passes convert and copy the whole cache on every call)."""
+    caches = [jnp.zeros((3, 512, 16, 64), jnp.bfloat16)] * 2
+    if op == "write_kv":
+        new = jnp.zeros((8, 3, 64), jnp.bfloat16)
+        fn, args = pallas_paged.write_kv, (*caches, new, new, jnp.arange(8, dtype=jnp.int32))
+    else:
+        fn, args = pallas_paged.copy_blocks, (*caches, jnp.arange(4, dtype=jnp.int32), jnp.arange(4, 8, dtype=jnp.int32))
+    lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(*args)
+    compiled = lowered.compile(compiler_options=pallas_paged.compiler_options("cpu"))
+    assert compiled.memory_analysis().temp_size_in_bytes < caches[0].nbytes
