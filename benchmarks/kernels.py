@@ -44,13 +44,17 @@ def dense_decode(q, k, v, context_lens):
 
 @jax.jit
 def dense_prefill(q, k, v):
-    """Causal attention. q: [seqs, len, q_heads, d]; k, v: [seqs, kv_heads, len, d] → like q."""
+    """Causal attention. q: [seqs, len, q_heads, d]; k, v: [seqs, kv_heads, len, d] → like q.
+
+    In float32: with bfloat16 float normalization off (``pallas_paged.compiler_options``),
+    XLA:CPU cannot run these batched bfloat16 products ("Unsupported element type for
+    DotThunk"), so a bfloat16 cache is converted first."""
     seqs, length, _, _ = q.shape
-    qg = (q.reshape(seqs, length, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE).astype(k.dtype)
-    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k, preferred_element_type=jnp.float32)
+    qg = q.reshape(seqs, length, KV_HEADS, -1, HEAD_DIM).astype(jnp.float32) * SCALE
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k.astype(jnp.float32))
     causal = jnp.tril(jnp.ones((length, length), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("shgqk,shkd->sqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("shgqk,shkd->sqhgd", weights, v.astype(jnp.float32))
     return out.reshape(q.shape).astype(q.dtype)
 
 

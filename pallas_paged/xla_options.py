@@ -14,6 +14,11 @@ def compiler_options(platform: str) -> dict:
     0.7 s per decode step of 32 sequences instead of 70 ms. Without the pass, 16-bit scatters
     update the cache in place, and bfloat16 products go to XLA:CPU's YNN fusions, which run
     them natively. float32 programs compile the same either way.
+
+    The cost: a bfloat16 product that the YNN fusions do not take (some batched einsums, such
+    as the dense prefill baseline of ``benchmarks/kernels.py``) fails when run ("Unsupported
+    element type for DotThunk"). Every product in the kernels and the models is one they take; the tests run
+    the kernels in bfloat16 with these options for every head layout.
     """
     if platform != "cpu":
         return {}

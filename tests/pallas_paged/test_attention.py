@@ -63,18 +63,22 @@ def test_ragged_matches_oracle(heads, block_size):
     assert not np.asarray(actual[-5:]).any(), "padding rows must come out as zeros"
 
 
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("op", ["decode", "ragged"])
-def test_bfloat16(op):
+def test_bfloat16(op, heads):
+    """bfloat16 caches, compiled as the engine compiles them (:func:`pallas_paged.compiler_options`:
+    XLA:CPU must run every bfloat16 product natively) and as plain ``jit``."""
     seqs = decode_seqs([1, 16, 500]) if op == "decode" else [(300, 300), (700, 20), (33, 1)]
-    s = make(seqs, q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=64, block_size=16, dtype=jnp.bfloat16)
     kernel, oracle = {
         "decode": (pallas_paged.paged_attention, reference.paged_attention),
         "ragged": (pallas_paged.ragged_paged_attention, reference.ragged_paged_attention),
     }[op]
     args = s.decode_args if op == "decode" else s.ragged_args
-    actual = jax.jit(kernel)(*args)
-    assert actual.dtype == jnp.bfloat16
-    assert_close(actual, oracle(*args), jnp.bfloat16)
+    with_options = jax.jit(kernel).lower(*args).compile(compiler_options=pallas_paged.compiler_options("cpu"))
+    for actual in (with_options(*args), jax.jit(kernel)(*args)):
+        assert actual.dtype == jnp.bfloat16
+        assert_close(actual, oracle(*args), jnp.bfloat16)
 
 
 def test_decode_padding_rows_are_zero():
