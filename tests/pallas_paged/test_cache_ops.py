@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,27 @@ def test_write_kv_updates_donated_cache_in_place():
     k = jnp.zeros((2, 3, 8), jnp.float32)
     out = step(k_cache, v_cache, k, k, jnp.asarray([1, 2], jnp.int32))
     assert (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers
+
+
+def _largest_copy(compiled) -> int:
+    """Elements in the largest array a compiled program copies."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", compiled.as_text())
+    return max((math.prod(int(d) for d in shape.split(",") if d) for shape in shapes), default=0)
+
+
+@pytest.mark.parametrize("slot", [9, -1])
+def test_one_token_write_kv_neither_copies_the_cache_nor_writes_padding(slot):
+    """XLA turns a one-row scatter into a dynamic-update-slice and then copies the whole
+    cache around it; a decode step of one sequence must not pay for that."""
+    k_cache, v_cache = random_caches()
+    k = jnp.full((1, 3, 8), 7.0, jnp.float32)
+    slots = jnp.asarray([slot], jnp.int32)
+    step = jax.jit(pallas_paged.write_kv, donate_argnums=(0, 1))
+    compiled = step.lower(k_cache, v_cache, k, k, slots).compile(compiler_options=pallas_paged.compiler_options("cpu"))
+    assert _largest_copy(compiled) < k_cache.size
+    expected = reference.write_kv(k_cache, v_cache, k, k, slots)
+    for actual, want in zip(compiled(k_cache, v_cache, k, k, slots), expected):
+        np.testing.assert_array_equal(actual, want)
 
 
 def test_copy_blocks_many_pairs_in_one_call():
