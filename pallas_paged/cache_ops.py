@@ -27,8 +27,8 @@ def _set(cache, index, values):
     """
     everything, ids = index
     if ids.shape[0] == 1:
-        ids = jnp.concatenate([ids, jnp.full((1,), cache.shape[1], ids.dtype)])
-        values = jnp.concatenate([values, jnp.zeros_like(values[:, :1])], axis=1)
+        ids = jnp.pad(ids, (0, 1), constant_values=cache.shape[1])
+        values = jnp.pad(values, [(0, 0), (0, 1)] + [(0, 0)] * (values.ndim - 2))
     return cache.at[everything, ids].set(values.astype(cache.dtype), mode="drop")
 
 
