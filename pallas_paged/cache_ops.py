@@ -16,20 +16,19 @@ import jax.numpy as jnp
 from pallas_paged.xla_options import compiler_options
 
 
-def _set(cache, index, values):
-    """``cache.at[:, ids].set(values, mode="drop")`` for ``index = (slice(None), ids)``: in
-    place under ``jit`` with the cache donated (for 16-bit caches on CPU, with
+def _set(cache, ids, values):
+    """``cache.at[:, ids].set(values, mode="drop")``: ids past the end of axis 1 write nothing;
+    in place under ``jit`` with the cache donated (for 16-bit caches on CPU, with
     :func:`pallas_paged.compiler_options`).
 
     A single id is padded with a dropped second one: XLA rewrites a one-row scatter as a
     dynamic-update-slice, and on CPU then copies the whole cache around it (about 70 us
     per call here, whatever the cache's size, so 4 ms of every one-sequence decode step).
     """
-    everything, ids = index
     if ids.shape[0] == 1:
         ids = jnp.pad(ids, (0, 1), constant_values=cache.shape[1])
         values = jnp.pad(values, [(0, 0), (0, 1)] + [(0, 0)] * (values.ndim - 2))
-    return cache.at[everything, ids].set(values.astype(cache.dtype), mode="drop")
+    return cache.at[:, ids].set(values.astype(cache.dtype), mode="drop")
 
 
 def _drop_negative(index, size):
@@ -49,7 +48,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
     def write(cache, new):
         flat = cache.reshape(kv_heads, num_blocks * block_size, head_dim)
-        return _set(flat, (slice(None), slots), new.swapaxes(0, 1)).reshape(cache.shape)
+        return _set(flat, slots, new.swapaxes(0, 1)).reshape(cache.shape)
 
     return write(k_cache, k), write(v_cache, v)
 
@@ -65,7 +64,7 @@ def copy_blocks(k_cache, v_cache, src, dst):
     dst = _drop_negative(dst, num_blocks)
 
     def copy(cache):
-        return _set(cache, (slice(None), dst), cache[:, src])
+        return _set(cache, dst, cache[:, src])
 
     return copy(k_cache), copy(v_cache)
 
@@ -78,7 +77,7 @@ def gather_blocks(cache, block_ids):
 def scatter_blocks(cache, blocks, block_ids):
     """Write ``blocks[:, i]`` into block ``block_ids[i]``; ids past the last block are padding
     and write nothing (negative ids would wrap around). Returns the cache."""
-    return _set(cache, (slice(None), block_ids), blocks)
+    return _set(cache, block_ids, blocks)
 
 
 def host_sharding(device: jax.Device | None = None) -> jax.sharding.Sharding:
