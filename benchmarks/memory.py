@@ -12,7 +12,7 @@ sharing: on the Alpaca-like trace, the share of device blocks that sharing saves
     parallel sampling n = 2, 4, 6 and beam search of width 2, 4, 6 (Fig. 15): blocks saved
     over the blocks the same sequences would hold without sharing, summed over every step.
 block-size: for block sizes 8..256 at the same KV memory (Fig. 18b and 19): offline
-    throughput of paged memory on both traces; and the time to swap out and back in the
+    throughput and KV waste of paged memory on both traces; and the time to swap out and back in the
     blocks of a sequence of max_model_len / 2 tokens vs recomputing those tokens (a prefill).
 
 Every number comes from the real engine running SmolLM2-135M-Instruct.
@@ -112,18 +112,20 @@ def swap_vs_recompute(llm, num_tokens: int, rounds: int) -> tuple[float, float]:
 
 
 def block_sizes(scale: offline.Scale, dtype: str, sizes, rounds: int) -> tuple[list, str]:
-    """Paged throughput on both traces, and swap vs recompute, per block size."""
+    """Paged throughput and KV waste on both traces, and swap vs recompute, per block size."""
     rows = []
     for block_size in sizes:
         llm = offline.make_llm("paged", scale, dtype=dtype, block_size=block_size)
-        speed = {trace.name: offline.run_trace(llm, trace).tokens_per_s
-                 for trace in offline.traces(scale, llm.engine.model_config.vocab_size)}
+        runs = {trace.name: offline.run_trace(llm, trace, observe=occupancy)
+                for trace in offline.traces(scale, llm.engine.model_config.vocab_size)}
+        waste = {name: summarise(run.samples)[2] for name, run in runs.items()}
         swap, recompute = swap_vs_recompute(llm, scale.max_model_len // 2, rounds)
-        rows.append([block_size, speed["sharegpt"], speed["alpaca"], swap * 1e3, recompute * 1e3, swap / recompute])
+        rows.append([block_size, runs["sharegpt"].tokens_per_s, runs["alpaca"].tokens_per_s, waste["sharegpt"],
+                     waste["alpaca"], swap * 1e3, recompute * 1e3, swap / recompute])
         print(f"block size {block_size} done", flush=True)
         del llm
         gc.collect()
-    headers = ["block size", "sharegpt tokens/s", "alpaca tokens/s",
+    headers = ["block size", "sharegpt tokens/s", "alpaca tokens/s", "sharegpt KV waste", "alpaca KV waste",
                f"swap out+in ms ({scale.max_model_len // 2} tokens)", "recompute ms", "swap / recompute"]
     return rows, print_table(headers, rows)
 
@@ -168,14 +170,16 @@ def plot_sharing(rows, name: str):
 def plot_block_sizes(rows, name: str):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     sizes = [row[0] for row in rows]
-    axes[0].plot(sizes, [row[1] for row in rows], marker="o", label="ShareGPT-like")
-    axes[0].plot(sizes, [row[2] for row in rows], marker="o", label="Alpaca-like")
+    for column, label in ((1, "ShareGPT-like"), (2, "Alpaca-like")):
+        axes[0].plot(sizes, [row[column] for row in rows], marker="o", label=label)
+        axes[1].plot(sizes, [100 * row[column + 2] for row in rows], marker="o", label=label)
     axes[0].set_ylabel("generated tokens/s (Fig. 18b)")
-    axes[1].plot(sizes, [row[3] for row in rows], marker="o", label="swap out + in")
-    axes[1].plot(sizes, [row[4] for row in rows], marker="o", label="recompute")
-    axes[1].set_ylabel("ms (Fig. 19)")
+    axes[1].set_ylabel("KV waste (% of allocated slots)")
+    axes[2].plot(sizes, [row[5] for row in rows], marker="o", label="swap out + in")
+    axes[2].plot(sizes, [row[6] for row in rows], marker="o", label="recompute")
+    axes[2].set_ylabel("ms (Fig. 19)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (tokens)")
