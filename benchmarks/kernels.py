@@ -10,8 +10,7 @@ random order through block tables; the same kernel with each sequence's blocks
 in order (how a batch of prompts admitted together lies in the engine's cache);
 the same work as dense XLA attention on a contiguous ``[seqs, kv_heads,
 context, d]`` cache; and the XLA gather formulation (gather the blocks, then
-attend). The paper's bar: paging costs
-at most 1.25x the contiguous version.
+attend). The paper's bar: paging costs at most 1.25x the contiguous version.
 """
 
 from __future__ import annotations

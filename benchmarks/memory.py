@@ -12,8 +12,9 @@ sharing: on the Alpaca-like trace, the share of device blocks that sharing saves
     parallel sampling n = 2, 4, 6 and beam search of width 2, 4, 6 (Fig. 15): blocks saved
     over the blocks the same sequences would hold without sharing, summed over every step.
 block-size: for block sizes 8..256 at the same KV memory (Fig. 18b and 19): offline
-    throughput and KV waste of paged memory on both traces; and the time to swap out and back in the
-    blocks of a sequence of max_model_len / 2 tokens vs recomputing those tokens (a prefill).
+    throughput and KV waste of paged memory on both traces; and the time to swap out and
+    back in the blocks of a sequence of max_model_len / 2 tokens vs recomputing those tokens
+    (a prefill).
 
 Every number comes from the real engine running SmolLM2-135M-Instruct.
 """
