@@ -146,7 +146,7 @@ def run(cases, bench, title, rng):
 def plot(decode_rows, prefill_rows, name: str):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for ax, rows, title in [(axes[0], decode_rows, "decode"), (axes[1], prefill_rows, "prefill")]:
         labels = [f"{r[0][:4]} {r[1]}x{r[2]}" for r in rows]
         positions = np.arange(len(rows))
@@ -157,7 +157,7 @@ def plot(decode_rows, prefill_rows, name: str):
         ax.set_ylabel("paged / dense contiguous time")
         ax.set_title(f"{title}: paged attention overhead")
         ax.tick_params(axis="x", rotation=70, labelsize=7)
-        ax.legend()
+        ax.legend(fontsize=7, framealpha=0.8)
     return save_figure(fig, name)
 
 
