@@ -5,14 +5,17 @@ on demand; `orca-max`, `orca-pow2` and `orca-oracle` also reserve, at admission,
 max_model_len slots, for the prompt plus the next power of two of the true output length, or
 for exactly the prompt plus the true output length. Reserved blocks count as used and feed the
 sequence's later appends; a sequence that outgrows its reservation allocates on demand, and a
-forked child or a swapped-in sequence has no reservation. Blocks are not physically contiguous:
-the baselines' cost shows up as reserved-but-empty slots (`BlockManagerStats.kv_waste`).
+forked child or a swapped-in sequence has no reservation. Like the paper's Orca, the baselines
+place each sequence's blocks with a buddy allocator (`engine.buddy`): its blocks are rounded up
+to a power of two (the rounding is reserved too) and must find an aligned free run. Their cost
+shows up as reserved-but-empty slots (`BlockManagerStats.kv_waste`) and as requests that wait
+for a free run while enough blocks are free.
 """
 
 import dataclasses
 from typing import TYPE_CHECKING
 
-from engine import prefix_cache
+from engine import buddy, prefix_cache
 from engine.block_pool import blocks_for
 from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, SequenceGroup
@@ -24,7 +27,12 @@ RESERVATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 
 
 def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    return 1 << buddy.order_for(n)
+
+
+def uses_buddy(config: "BlockManagerConfig") -> bool:
+    """Whether sequences' blocks are placed by the buddy allocator (the Orca baselines)."""
+    return config.reservation != "paged"
 
 
 def reserved_len(config: "BlockManagerConfig", group: SequenceGroup) -> int:
@@ -71,6 +79,13 @@ class AllocationPlan:
         """Blocks taken from the pool (hits excluded)."""
         return self.num_blocks - len(self.hits)
 
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Blocks each sequence takes from the pool, in one piece (the first sequence's piece
+        also holds the shared blocks not found in the prefix cache)."""
+        shared_new = self.num_shared - len(self.hits)
+        return _own_blocks(shared_new, self.num_private, self.num_reserved)
+
 
 def plan_allocation(
     config: "BlockManagerConfig", cache: PrefixCache, group: SequenceGroup
@@ -89,10 +104,19 @@ def plan_allocation(
         num_queried = min(num_shared_full, (min(seq.len for seq in seqs) - 1) // size)
         hits = prefix_cache.lookup(cache, seqs[0].token_ids, num_queried, size)
     reserve_blocks = blocks_for(reserved_len(config, group), size)
-    return AllocationPlan(
-        num_shared=num_shared,
-        hits=hits,
-        num_queried=num_queried,
-        num_private=tuple(blocks_for(seq.len, size) - num_shared for seq in seqs),
-        num_reserved=tuple(max(0, reserve_blocks - blocks_for(seq.len, size)) for seq in seqs),
+    num_private = tuple(blocks_for(seq.len, size) - num_shared for seq in seqs)
+    num_reserved = tuple(max(0, reserve_blocks - blocks_for(seq.len, size)) for seq in seqs)
+    if uses_buddy(config):
+        num_reserved = tuple(
+            _next_power_of_two(own) - own + reserved if own else 0
+            for own, reserved in zip(_own_blocks(num_shared, num_private, num_reserved), num_reserved)
+        )
+    return AllocationPlan(num_shared, hits, num_queried, num_private, num_reserved)
+
+
+def _own_blocks(num_shared: int, num_private, num_reserved) -> tuple[int, ...]:
+    """Blocks each sequence takes from the pool at admission: the first also takes the shared."""
+    return tuple(
+        (num_shared if i == 0 else 0) + private + reserved
+        for i, (private, reserved) in enumerate(zip(num_private, num_reserved))
     )

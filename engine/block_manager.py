@@ -17,8 +17,8 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from engine import block_pool, prefix_cache
-from engine.allocation import RESERVATIONS, plan_allocation
+from engine import block_pool, buddy, prefix_cache
+from engine.allocation import RESERVATIONS, plan_allocation, uses_buddy
 from engine.block_pool import BlockPool, blocks_for, empty_pool
 from engine.block_stats import BlockManagerStats, stats  # noqa: F401 (part of this interface)
 from engine.prefix_cache import PrefixCache, assoc, dissoc, frozen_map
@@ -60,6 +60,11 @@ class BlockManagerConfig:
         if self.reservation not in RESERVATIONS:
             raise ConfigError(
                 f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}"
+            )
+        if self.enable_prefix_caching and self.reservation != "paged":
+            raise ConfigError(
+                f"reservation={self.reservation!r} reproduces a baseline of the paper, which has "
+                "no prefix cache; use reservation='paged' with enable_prefix_caching"
             )
 
     @property
@@ -116,8 +121,34 @@ def num_free_device_blocks(state: BlockManagerState) -> int:
 
 
 def _take_device(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+    """`num_blocks` unreferenced device blocks (one buddy run of one block each, under an Orca
+    reservation)."""
+    if uses_buddy(state.config):
+        blocks = ()
+        for _ in range(num_blocks):
+            state, run = _take_run(state, 1)
+            blocks += run
+        return state, blocks
     device, cache, blocks = block_pool.take_device(state.device, state.prefix_cache, num_blocks)
     return dataclasses.replace(state, device=device, prefix_cache=cache), blocks
+
+
+def _take_run(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+    """The aligned run of `num_blocks` (a power of two) free device blocks the buddy allocator
+    picks."""
+    config, order = state.config, buddy.order_for(num_blocks)
+    assert num_blocks == 1 << order, f"a buddy run has a power-of-two size, not {num_blocks}"
+    first = buddy.find_run(state.device.free, config.num_device_blocks, order)
+    assert first is not None, f"no free run of {num_blocks} blocks"
+    device = block_pool.take_run(state.device, first, num_blocks)
+    return dataclasses.replace(state, device=device), tuple(range(first, first + num_blocks))
+
+
+def _take_chunk(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+    """One sequence's blocks at admission: one buddy run under an Orca reservation."""
+    if uses_buddy(state.config) and num_blocks:
+        return _take_run(state, num_blocks)
+    return _take_device(state, num_blocks)
 
 
 def _take_host(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
@@ -159,13 +190,33 @@ def _fits(state: BlockManagerState, num_total: int, num_new: int) -> AllocStatus
     return AllocStatus.OK
 
 
+def _runs_fit(state: BlockManagerState, chunks: Iterable[int]) -> AllocStatus:
+    """Whether the buddy allocator finds a free run for each chunk, one after the other."""
+    num_blocks = state.config.num_device_blocks
+    orders = [buddy.order_for(chunk) for chunk in chunks if chunk]
+    if not all(buddy.fits_in_empty_pool(num_blocks, order) for order in orders):
+        return AllocStatus.NEVER
+    free = set(state.device.free)
+    for order in orders:
+        first = buddy.find_run(free, num_blocks, order)
+        if first is None:
+            return AllocStatus.LATER
+        free -= set(range(first, first + (1 << order)))
+    return AllocStatus.OK
+
+
 def can_allocate(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
     """Whether the group's blocks fit now while keeping the watermark free (NEVER: not even
-    in an empty pool)."""
+    in an empty pool); under an Orca reservation, also whether each sequence finds a free
+    buddy run."""
     plan = plan_allocation(state.config, state.prefix_cache, group)
     evictable = set(state.prefix_cache.evictable)
     num_evictable_hits = sum(1 for hit in plan.hits if hit.block in evictable)
-    return _fits(state, plan.num_blocks, plan.num_new_blocks + num_evictable_hits)
+    status = _fits(state, plan.num_blocks, plan.num_new_blocks + num_evictable_hits)
+    if status is AllocStatus.NEVER or not uses_buddy(state.config):
+        return status
+    placed = _runs_fit(state, plan.chunks)
+    return placed if placed is not AllocStatus.OK else status
 
 
 def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManagerState, int]:
@@ -180,12 +231,13 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
     cache = prefix_cache.acquire(state.prefix_cache, hit_blocks)
     cache = prefix_cache.count_lookup(cache, plan.num_queried, len(plan.hits))
     state = dataclasses.replace(state, prefix_cache=cache)
-    state, new_shared = _take_device(state, plan.num_shared - len(hit_blocks))
-    shared = hit_blocks + new_shared
-    entries = {}
-    for seq, num_private, num_reserved in zip(seqs, plan.num_private, plan.num_reserved):
-        state, private = _take_device(state, num_private)
-        state, reserved = _take_device(state, num_reserved)
+    num_new_shared, shared, entries = plan.num_shared - len(hit_blocks), hit_blocks, {}
+    for index, seq in enumerate(seqs):
+        state, chunk = _take_chunk(state, plan.chunks[index])
+        if index == 0:
+            shared, chunk = shared + chunk[:num_new_shared], chunk[num_new_shared:]
+        num_private = plan.num_private[index]
+        private, reserved = chunk[:num_private], chunk[num_private:]
         entries[seq.seq_id] = SeqBlocks(
             block_table=shared + private,
             on_device=True,

@@ -56,6 +56,15 @@ def take(pool: BlockPool, num_blocks: int) -> tuple[BlockPool, tuple[int, ...]]:
     return dataclasses.replace(pool, free=pool.free[num_blocks:]), pool.free[:num_blocks]
 
 
+def take_run(pool: BlockPool, first: int, num_blocks: int) -> BlockPool:
+    """Remove the free blocks ``first .. first + num_blocks - 1`` from the free list."""
+    run = range(first, first + num_blocks)
+    assert all(pool.refcounts[block] == 0 for block in run), "run holds a referenced block"
+    free = tuple(block for block in pool.free if not first <= block < first + num_blocks)
+    assert len(free) == len(pool.free) - num_blocks, "run holds a block that is not free"
+    return dataclasses.replace(pool, free=free)
+
+
 def release(pool: BlockPool, blocks: Iterable[int]) -> BlockPool:
     """Drop one reference per listed block; blocks left unreferenced go to the free list."""
     pool, released = _drop_refs(pool, blocks)

@@ -62,6 +62,9 @@ class EngineConfig:
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
              self.preemption_mode),
             (self.reservation in RESERVATIONS, "reservation", f"one of {RESERVATIONS}", self.reservation),
+            (self.reservation == "paged" or not self.enable_prefix_caching, "reservation",
+             "'paged' with enable_prefix_caching (the paper's Orca baselines have no prefix cache)",
+             self.reservation),
             (self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy),
         ]
         for ok, field, allowed, value in checks:

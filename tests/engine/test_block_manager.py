@@ -137,6 +137,7 @@ def test_stats_count_waste_and_sharing():
         (dict(num_host_blocks=-1), "num_host_blocks"),
         (dict(watermark=1.0), "watermark"),
         (dict(reservation="orca"), "reservation"),
+        (dict(reservation="orca-oracle", enable_prefix_caching=True), "no prefix cache"),
     ],
 )
 def test_bad_config_says_what_to_change(overrides, message):

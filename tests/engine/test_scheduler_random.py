@@ -28,6 +28,7 @@ PREFIXES = ((1, 2, 3, 1, 2), (1, 2, 3, 3), (2,))
 def configs(draw):
     """Tiny pools and budgets, so that preemption, swapping and chunking happen all the time."""
     max_num_seqs = draw(st.integers(2, 4))
+    reservation = draw(st.sampled_from(["paged"] * 5 + ["orca-max", "orca-pow2", "orca-oracle"]))
     return make_config(
         block_size=draw(st.integers(2, 4)),
         num_device_blocks=draw(st.integers(4, 12)),
@@ -36,8 +37,8 @@ def configs(draw):
         max_num_seqs=max_num_seqs,
         max_model_len=draw(st.integers(8, 24)),
         watermark=draw(st.sampled_from([0.0, 0.2])),
-        prefix_caching=draw(st.booleans()),
-        reservation=draw(st.sampled_from(["paged"] * 5 + ["orca-max", "orca-pow2", "orca-oracle"])),
+        prefix_caching=reservation == "paged" and draw(st.booleans()),
+        reservation=reservation,
         preemption_mode=draw(st.sampled_from([None, None, "recompute", "swap", "swap"])),
         policy=draw(st.sampled_from(["fcfs", "fcfs", "static"])),
     )
