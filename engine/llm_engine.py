@@ -114,7 +114,7 @@ class LLMEngine:
         self.state = sch.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
                                      expected_output_len=expected_output_len)
         group = sch.find_group(self.state, request_id)
-        seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else int(
+        seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))
         request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
                                seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids))

@@ -16,8 +16,8 @@ class SamplingParams:
     cumulative log-probability returned (defaults to ``n``). temperature: 0 means greedy.
     top_p, top_k (0 or -1 = off), min_p: truncate the distribution. presence_penalty,
     frequency_penalty (OpenAI's, over generated tokens) and repetition_penalty (Hugging Face's,
-    over prompt and generated tokens). seed: makes this request's samples reproducible whatever
-    else is batched with it. stop / stop_token_ids end a completion (the stop string is cut
+    over prompt and generated tokens). seed: any integer (taken modulo 2**32); makes this
+    request's samples reproducible whatever else is batched with it. stop / stop_token_ids end a completion (the stop string is cut
     from the text); ignore_eos keeps going past EOS; min_tokens bans EOS and stop tokens until
     that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
     per generated / prompt token (0 = just the chosen token's).

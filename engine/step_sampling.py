@@ -39,8 +39,11 @@ def _padded_tokens(token_lists, *, when: bool) -> np.ndarray:
     return out
 
 
-def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
-    """The sampler's per-row parameters for ``rows``, padded to a power of two."""
+def batch_for(rows: list[Row], num_top: int, vocab_size: int) -> SamplingBatch:
+    """The sampler's per-row parameters for ``rows``, padded to a power of two.
+
+    A top_k of the vocabulary's size or more keeps every token, so it is off; tokens outside
+    the vocabulary can never be sampled, so they are not banned."""
     size = _pow2(len(rows))
     params = [row.request.params for row in rows]
     sampling = [p if isinstance(p, SamplingParams) else SamplingParams(temperature=0.0) for p in params]
@@ -52,12 +55,13 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
     penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in sampling)
     outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
     prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
-    banned = [row.request.banned_tokens(row.seq_id) for row in rows] + [()] * pad
-    top_k = max((p.top_k for p in sampling), default=0)
+    banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
+    top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
+    top_k = max(top_ks, default=0)
     return SamplingBatch(
         temperature=column((p.temperature for p in sampling), np.float32, 0.0),
         top_p=column((p.top_p for p in sampling), np.float32, 1.0),
-        top_k=column((p.top_k for p in sampling), np.int32, 0),
+        top_k=column(top_ks, np.int32, 0),
         min_p=column((p.min_p for p in sampling), np.float32, 0.0),
         presence_penalty=column((p.presence_penalty for p in sampling), np.float32, 0.0),
         frequency_penalty=column((p.frequency_penalty for p in sampling), np.float32, 0.0),
@@ -70,7 +74,7 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
         banned=_padded_tokens(banned, when=any(banned)),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
-        max_top_k=min(_pow2(top_k), 1 << 16) if top_k else 0,
+        max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,
         all_greedy=all(p.greedy for p in sampling),
         num_top_logprobs=_pow2(num_top) if num_top else 0,
     )
@@ -79,7 +83,7 @@ def batch_for(rows: list[Row], num_top: int) -> SamplingBatch:
 def sample_rows(logits, rows: list[Row]) -> SamplerOutput:
     """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs)."""
     num_top = max((_wanted_top(row.request) for row in rows), default=0)
-    batch = batch_for(rows, num_top)
+    batch = batch_for(rows, num_top, logits.shape[-1])
     index = np.zeros(batch.temperature.shape[0], np.int32)
     index[: len(rows)] = [row.logits_row for row in rows]
     out = sample(logits, batch, index)

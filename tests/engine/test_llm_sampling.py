@@ -53,6 +53,25 @@ def test_seeded_request_is_independent_of_its_batch(llm_and_hf):
     assert alone == together
 
 
+def test_any_seed_top_k_or_stop_token_id_is_served(llm_and_hf):
+    """Values vLLM accepts that do not fit the sampler's arrays: 64-bit and negative seeds, a
+    top_k above the vocabulary (keeps everything), stop token ids past it (never sampled)."""
+    llm, hf = llm_and_hf
+    vocab = hf.config.vocab_size
+    prompt = prompts(1, vocab, seed=8)[0]
+    for seed in (-1, 2**40 + 3):
+        params = SamplingParams(temperature=1.0, max_tokens=6, seed=seed)
+        first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+        assert first.error is None and first.outputs[0].token_ids == again.outputs[0].token_ids
+    unbounded = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, seed=5, top_k=vocab + 44),
+                             use_tqdm=False)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, seed=5), use_tqdm=False)[0]
+    assert unbounded.outputs[0].token_ids == plain.outputs[0].token_ids
+    far = SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[2**40], ignore_eos=True)
+    assert len(llm.generate([prompt], far, use_tqdm=False)[0].outputs[0].token_ids) == 6
+    assert llm.cache_stats().device_blocks_free == llm.cache_stats().device_blocks_total
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1, max_tokens=12),
                                     SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12)],
                          ids=["top_k=1", "tiny top_p"])
