@@ -63,9 +63,12 @@ class AsyncLLMEngine:
     async def generate(self, prompt, params, request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time it changes, the last one finished.
 
-        Raises what ``LLMEngine.add_request`` raises for a bad request (nothing is queued).
-        Stopping the iteration early aborts the request.
+        Raises what ``LLMEngine.add_request`` raises for a bad request (nothing is queued),
+        and RuntimeError when the engine has stopped. Stopping the iteration early aborts the
+        request.
         """
+        if not self.is_healthy:
+            raise RuntimeError("the engine has stopped" + (f" after an error: {self.error}" if self.error else ""))
         stream: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, prompt, params, stream, asyncio.get_running_loop()))
         finished = False
@@ -98,14 +101,26 @@ class AsyncLLMEngine:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output, last=output.finished)
-                    self.snapshot = self._snapshot()
+                    self._step()
         except BaseException as error:  # the loop must not die silently: fail every waiting request
             log.exception("engine loop failed")
             self.error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(f"engine failed: {error}"), last=True)
+
+    def _step(self) -> None:
+        """One engine step. A step that fails has aborted the requests it ran (see
+        ``LLMEngine.step``): their callers get the error, and the others keep going."""
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            log.exception("engine step failed")
+            for request_id in [r for r in self._streams if r not in self.engine.requests]:
+                self._deliver(request_id, RuntimeError(f"engine step failed: {error}"), last=True)
+            outputs = []
+        for output in outputs:
+            self._deliver(output.request_id, output, last=output.finished)
+        self.snapshot = self._snapshot()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

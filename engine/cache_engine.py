@@ -66,6 +66,7 @@ class CacheEngine:
 
     def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None, host_sharding=None):
         self.spec = spec
+        self._sharding = sharding
         self.kv_caches = spec.allocate(sharding)
         self._host_sharding = host_sharding
         host_spec = pallas_paged.KVCacheSpec(max(num_host_blocks, 1), spec.block_size, spec.num_kv_heads,
@@ -112,6 +113,17 @@ class CacheEngine:
         if copy:
             src, dst = zip(*copy)
             self.kv_caches = self._copy(self.kv_caches, self._device_ids(src), self._device_ids(dst))
+
+    @property
+    def lost(self) -> bool:
+        """True when a device cache was donated to a program that never returned (a step
+        interrupted part-way): what the blocks held is gone."""
+        return any(cache.is_deleted() for layer in self.kv_caches for cache in layer)
+
+    def reset(self) -> None:
+        """Fresh zeroed device caches and an empty swap space, after their contents were lost."""
+        self.kv_caches = self.spec.allocate(self._sharding)
+        self._host_caches = None
 
     def _device_ids(self, ids):
         return _padded(ids, self.spec.num_blocks)

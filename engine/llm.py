@@ -113,25 +113,32 @@ class LLM:
                           blocks.prefix_cache_queries, blocks.blocks_saved_by_sharing)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue ``requests`` and step until all are done. If anything raises (a bad prompt
+        type, a failed step, Ctrl-C), this call's requests are aborted before it propagates,
+        so none of them holds blocks or runs in a later call."""
         engine = self.engine
         order, results = [], {}
-        for prompt, params in requests:
-            request_id = f"offline-{next(self._ids)}"
-            order.append(request_id)
-            try:
-                engine.add_request(request_id, prompt, params)
-            except InvalidRequestError as error:
-                results[request_id] = _refused(request_id, prompt, str(error))
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        bar.update(len(results))
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    bar.update(1)
-                    elapsed = bar.format_dict["elapsed"] or 1e-9
-                    bar.set_postfix_str(f"output {engine.counters.generation_tokens / elapsed:.1f} toks/s")
-        bar.close()
+        try:
+            for prompt, params in requests:
+                request_id = f"offline-{next(self._ids)}"
+                order.append(request_id)
+                try:
+                    engine.add_request(request_id, prompt, params)
+                except InvalidRequestError as error:
+                    results[request_id] = _refused(request_id, prompt, str(error))
+            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                bar.update(len(results))
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"output {engine.counters.generation_tokens / elapsed:.1f} toks/s")
+        except BaseException:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
         return [results[request_id] for request_id in order]
 
 

@@ -152,7 +152,12 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests that changed."""
+        """Run one iteration; returns the outputs of the requests that changed.
+
+        If the step fails part-way (an error, or Ctrl-C), the requests it was running are
+        aborted with the error recorded (every request, if the KV cache's contents were
+        lost), their blocks are freed, and the exception propagates; the engine stays usable.
+        """
         self.state, plan = sch.schedule(self.state)
         touched: dict[str, RequestState] = {}
         for request_id, reason in plan.ignored:
@@ -160,11 +165,36 @@ class LLMEngine:
             if request is not None:
                 request.error = reason
                 touched[request_id] = request
-        self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
-        actions = self._run(plan.scheduled, touched) if plan.scheduled else []
-        self.state = sch.update(self.state, actions)
+        blocks_moved = False
+        try:
+            self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+            blocks_moved = True
+            actions = self._run(plan.scheduled, touched) if plan.scheduled else []
+            self.state = sch.update(self.state, actions)
+        except BaseException as error:
+            self._recover(plan, error, every_request=not blocks_moved)
+            raise
         self.counters.steps += 1
         return self._collect(touched)
+
+    def _recover(self, plan: sch.SchedulerOutput, error: BaseException, every_request: bool) -> None:
+        """Abort the requests a failed step touched and close the step, so no block stays held.
+        Swaps that may not have happened, or caches a failed program consumed, leave no
+        request's KV trustworthy: then every request is aborted, and lost caches start afresh."""
+        lost = self.cache.lost
+        victims = set(self.requests) if every_request or lost else {work.request_id for work in plan.scheduled}
+        reason = f"the engine step failed: {error!r}"
+        for request_id in victims:
+            request = self.requests.get(request_id)
+            self.abort_request(request_id)
+            if request is not None:
+                request.error = reason
+        if self.state.pending is not None:
+            self.state = sch.update(self.state, [])
+        if lost:
+            self.cache.reset()
+            self.state = sch.initial_state(self.scheduler_config)
+        log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
     def _run(self, works, touched) -> list:
         logits_tokens, rows, prompt_rows = self._logits_plan(works)

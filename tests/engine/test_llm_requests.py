@@ -101,3 +101,44 @@ def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, chunked):
     for position in range(1, len(prompt)):
         got = out.prompt_logprobs[position][prompt[position]]
         assert abs(got - logprobs[position - 1, prompt[position]].item()) < 1e-4
+
+
+def _fail_on_call(target, name: str, call: int, *, after: bool = False):
+    """Replace ``target.name`` with a wrapper whose ``call``-th call raises (before running the
+    original, or after it when ``after``: the original consumed its donated inputs)."""
+    original, calls = getattr(target, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call and not after:
+            raise RuntimeError("injected failure")
+        result = original(*args, **kwargs)
+        if len(calls) == call:
+            raise RuntimeError("injected failure")
+        return result
+
+    return failing
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before the model", "caches consumed"])
+def test_a_failed_step_frees_its_requests_and_the_engine_keeps_serving(llm_and_hf, monkeypatch, after):
+    llm, hf = llm_and_hf
+    batch = prompts(3, hf.config.vocab_size, seed=30)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "run", _fail_on_call(runner, "run", call=3, after=after))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(batch, greedy, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)] == expected
+
+
+def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=31)[0]
+    with pytest.raises(TypeError):
+        llm.generate([prompt, None], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)) == 1

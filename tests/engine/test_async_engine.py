@@ -1,0 +1,51 @@
+"""The server's engine loop: a failing step fails only its own requests; a stopped engine says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from tests.engine.test_llm_requests import _fail_on_call
+from tests.engine.tiny import prompts, tiny_llm
+
+
+@pytest.fixture(scope="module")
+def llm_and_hf(tmp_path_factory):
+    return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"))
+
+
+async def _tokens(engine: AsyncLLMEngine, prompt, params, request_id: str):
+    last = None
+    async for output in engine.generate(prompt, params, request_id):
+        last = output
+    return last.outputs[0].token_ids
+
+
+def test_a_failed_step_fails_its_request_and_the_loop_keeps_serving(llm_and_hf, monkeypatch):
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=40)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    expected = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "run", _fail_on_call(runner, "run", call=2))
+    engine = AsyncLLMEngine(llm.engine)
+    try:
+        with pytest.raises(RuntimeError, match="engine step failed"):
+            asyncio.run(_tokens(engine, prompt, greedy, "first"))
+        assert engine.is_healthy
+        assert asyncio.run(_tokens(engine, prompt, greedy, "second")) == expected
+    finally:
+        engine.shutdown()
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
+
+
+def test_a_stopped_engine_refuses_new_requests_at_once(llm_and_hf):
+    llm, _ = llm_and_hf
+    engine = AsyncLLMEngine(llm.engine)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="the engine has stopped"):
+        asyncio.run(asyncio.wait_for(_tokens(engine, [5, 6, 7], SamplingParams(max_tokens=2), "late"), 10))
