@@ -33,6 +33,10 @@ from engine.step_sampling import Row, sample_rows
 
 log = logging.getLogger(__name__)
 
+# vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
+_FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINISHED_IGNORED: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
+
 
 def _use_compilation_cache() -> None:
     """Keep compiled programs on disk (``xla/`` under the cache root of
@@ -318,7 +322,7 @@ class LLMEngine:
             for seq in group.seqs:
                 progress = request.seqs.get(seq.seq_id)
                 if progress is not None and progress.finish_reason is None and seq.status.is_finished:
-                    progress.finish_reason = "length" if seq.status is SequenceStatus.FINISHED_LENGTH else "stop"
+                    progress.finish_reason = _FINISH_REASONS.get(seq.status, "stop")
             touched[group.request_id] = request
         self.state = dataclasses.replace(self.state, finished=())
         outputs = []

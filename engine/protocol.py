@@ -37,6 +37,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
@@ -48,7 +49,8 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(_Sampling):

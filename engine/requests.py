@@ -116,19 +116,28 @@ class RequestState:
         return seq.finish_reason is not None
 
     def _stop_reason(self, seq: SeqProgress, token: int, new_chars: int) -> tuple[str | None, str | int | None]:
+        """Why ``seq`` ends with ``token`` (which added ``new_chars`` to its text), as vLLM
+        decides it: nothing but the length limit before ``min_tokens``; then EOS, a stop token
+        or a stop string, whose text is cut unless ``include_stop_str_in_output``."""
         params = self.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if token in params.stop_token_ids:
-            return "stop", token
-        found = find_stop(seq.decoded.text, params.stop, new_chars) if params.stop else None
-        if found is not None:
-            index, stop = found
-            seq.decoded = dataclasses.replace(seq.decoded, text=seq.decoded.text[:index])
-            return "stop", stop
+        if len(seq.token_ids) >= params.min_tokens:
+            keep = params.include_stop_str_in_output
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                if new_chars and not keep:
+                    self._cut_text(seq, len(seq.decoded.text) - new_chars)
+                return "stop", None if token in self.eos_token_ids and not params.ignore_eos else token
+            found = find_stop(seq.decoded.text, params.stop, new_chars) if params.stop else None
+            if found is not None:
+                index, stop = found
+                self._cut_text(seq, index + len(stop) if keep else index)
+                return "stop", stop
         if len(seq.token_ids) >= self.max_tokens:
             return "length", None
         return None, None
+
+    @staticmethod
+    def _cut_text(seq: SeqProgress, end: int) -> None:
+        seq.decoded = dataclasses.replace(seq.decoded, text=seq.decoded.text[:end])
 
     def output(self) -> RequestOutput:
         """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running."""

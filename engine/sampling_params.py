@@ -17,9 +17,10 @@ class SamplingParams:
     top_p, top_k (0 or -1 = off), min_p: truncate the distribution. presence_penalty,
     frequency_penalty (OpenAI's, over generated tokens) and repetition_penalty (Hugging Face's,
     over prompt and generated tokens). seed: any integer (taken modulo 2**32); makes this
-    request's samples reproducible whatever else is batched with it. stop / stop_token_ids end a completion (the stop string is cut
-    from the text); ignore_eos keeps going past EOS; min_tokens bans EOS and stop tokens until
-    that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
+    request's samples reproducible whatever else is batched with it. stop / stop_token_ids
+    end a completion; the text leaves out the stop string, or the text of the stop token or
+    EOS, unless include_stop_str_in_output. ignore_eos keeps going past EOS; min_tokens bans
+    EOS and stop tokens, and ignores stop strings, until that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
     per generated / prompt token (0 = just the chosen token's).
     """
 
@@ -35,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0

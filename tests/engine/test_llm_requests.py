@@ -142,3 +142,11 @@ def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
         llm.generate([prompt, None], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)) == 1
+
+
+def test_a_sequence_that_outgrows_the_cache_ends_with_length_and_the_reason(tmp_path):
+    small, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots
+    prompt = prompts(1, hf.config.vocab_size, seed=32)[0][:10]
+    out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
+    assert out.error and out.outputs[0].finish_reason == "length"
+    assert 0 < len(out.outputs[0].token_ids) < 60

@@ -39,3 +39,41 @@ def test_stop_string_ends_generation_and_is_cut(llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free[: free.index(stop)]
+
+
+def tokenizer_text(llm, token_ids) -> str:
+    return llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
+
+
+def test_stop_rules_wait_for_min_tokens_and_can_keep_the_stop_text(llm):
+    prompt = "Count: one, two, three,"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    greedy = dict(temperature=0, max_tokens=20)
+    early = llm.generate([prompt], SamplingParams(**greedy, stop=[","], min_tokens=6), use_tqdm=False)[0].outputs[0]
+    # the commas of tokens 2 and 4 do not stop it; the first one at or past token 6 does
+    assert early.token_ids == free.token_ids[:6] and free.token_ids[1] == free.token_ids[5]
+    assert early.text == tokenizer_text(llm, free.token_ids[:5])
+    kept = llm.generate([prompt], SamplingParams(**greedy, stop=[","], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(",") + 1]
+    tokenizer = llm.get_tokenizer()
+    stop_token = free.token_ids[2]  # its first occurrence (a word, then a comma, then this word)
+    assert stop_token not in free.token_ids[:2]
+    by_token = llm.generate([prompt], SamplingParams(**greedy, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    by_token = by_token.outputs[0]
+    assert by_token.stop_reason == stop_token and by_token.token_ids == free.token_ids[:3]
+    assert by_token.text == tokenizer.decode(free.token_ids[:2])
+    kept = llm.generate([prompt], SamplingParams(**greedy, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == tokenizer.decode(free.token_ids[:3])
+
+
+def test_eos_text_is_left_out_even_when_special_tokens_are_kept(llm):
+    question = [{"role": "user", "content": "Say hi."}]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False),
+                   use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert "<|im_end|>" not in out.text
+    kept = llm.chat(question, SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False,
+                                             include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == out.text + "<|im_end|>"
