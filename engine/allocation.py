@@ -100,7 +100,7 @@ def plan_allocation(
         num_shared = num_shared_full = _common_prefix_len(seqs) // size
     num_queried = 0
     hits: tuple = ()
-    if config.enable_prefix_caching:
+    if config.enable_prefix_caching and group.use_prefix_cache:
         num_queried = min(num_shared_full, (min(seq.len for seq in seqs) - 1) // size)
         hits = prefix_cache.lookup(cache, seqs[0].token_ids, num_queried, size)
     reserve_blocks = blocks_for(reserved_len(config, group), size)

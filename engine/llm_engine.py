@@ -115,8 +115,11 @@ class LLMEngine:
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
+        # Prompt log-probabilities need every prompt token's logits, so no prefix-cache hits (as vLLM).
+        wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         self.state = sch.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
-                                     expected_output_len=expected_output_len)
+                                     expected_output_len=expected_output_len,
+                                     use_prefix_cache=not wants_prompt_logprobs)
         group = sch.find_group(self.state, request_id)
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))

@@ -107,8 +107,10 @@ def add_request(
     max_tokens: int,
     num_seqs: int = 1,
     expected_output_len: int | None = None,
+    use_prefix_cache: bool = True,
 ) -> SchedulerState:
-    """Queue a request of `num_seqs` sequences sharing the prompt (n / best_of / beam width)."""
+    """Queue a request of `num_seqs` sequences sharing the prompt (n / best_of / beam width).
+    `use_prefix_cache` False: compute the whole prompt, whatever the prefix cache holds."""
     config, prompt = state.config, tuple(prompt_token_ids)
     if not prompt:
         raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
@@ -134,6 +136,7 @@ def add_request(
         max_tokens=max_tokens,
         num_seqs=num_seqs,
         expected_output_len=expected_output_len,
+        use_prefix_cache=use_prefix_cache,
     )
     return dataclasses.replace(
         state,

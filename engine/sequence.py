@@ -65,7 +65,8 @@ class SequenceGroup:
     update, so a group never runs more sequences than it was admitted with.
     `expected_output_len` is used only by the orca-pow2 / orca-oracle reservation baselines.
     `in_prefill` is true from admission until the group first samples. `ignored_reason` says why
-    a request was refused (FINISHED_IGNORED).
+    a request was refused (FINISHED_IGNORED). `use_prefix_cache` False computes the whole prompt
+    even when the prefix cache holds part of it (a request that wants every prompt token's logits).
     """
 
     request_id: str
@@ -76,6 +77,7 @@ class SequenceGroup:
     expected_output_len: int | None = None
     in_prefill: bool = True
     ignored_reason: str | None = None
+    use_prefix_cache: bool = True
 
     @functools.cached_property
     def unfinished_seqs(self) -> tuple[Sequence, ...]:

@@ -85,15 +85,18 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm_and_hf):
     assert stop_at not in banned.token_ids[:8]
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["one_step", "chunked_prefill"])
-def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, chunked):
+@pytest.mark.parametrize("how", ["one_step", "chunked_prefill", "prefix_cached"])
+def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, how):
     import torch
 
     llm, hf = llm_and_hf
-    if chunked:  # the 20-token prompt is prefilled 6 tokens at a time
-        llm, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=4, max_num_batched_tokens=6)
     prompt = prompts(4, hf.config.vocab_size, seed=12)[-1][:20]
     assert len(prompt) == 20
+    if how == "chunked_prefill":  # the 20-token prompt is prefilled 6 tokens at a time
+        llm, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=4, max_num_batched_tokens=6)
+    if how == "prefix_cached":  # its first two blocks are in the prefix cache
+        llm, _ = tiny_llm("llama_gqa_tied", tmp_path, enable_prefix_caching=True)
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     with torch.no_grad():
