@@ -111,7 +111,7 @@ class LLMEngine:
         """Queue a request. Raises ``InvalidRequestError`` (nothing queued) for a prompt that
         is empty, too long for ``max_model_len``, or holds unknown token ids."""
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._check_prompt(request_id, token_ids)
+        self.check_prompt(token_ids, request_id)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
@@ -133,7 +133,8 @@ class LLMEngine:
             request.beam_seq_ids = [seq.seq_id for seq in group.seqs]
         self.requests[request_id] = request
 
-    def _check_prompt(self, request_id: str, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], request_id: str = "") -> None:
+        """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""
         if not token_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
         if len(token_ids) >= self.max_model_len:

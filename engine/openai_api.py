@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,8 @@ from engine.async_engine import AsyncLLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ChatRequest, CompletionRequest
 from engine.scheduler import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -35,6 +38,10 @@ class OpenAIServing:
         self.on_finished = on_finished or (lambda output: None)
 
     def check_model(self, name: str | None) -> str:
+        """The model a generation request names (the default if none), with the engine running."""
+        if not self.engine.is_healthy:
+            raise RequestError("the engine has stopped after an error; restart the server", 503,
+                               "service_unavailable")
         if name is not None and name not in self.model_names:
             raise RequestError(f"The model `{name}` does not exist; this server has {self.model_names}.", 404,
                                "NotFoundError")
@@ -45,6 +52,10 @@ class OpenAIServing:
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send token ids")
             return self.tokenizer.encode(prompt)
+        try:
+            self.engine.engine.check_prompt(list(prompt))
+        except InvalidRequestError as error:
+            raise RequestError(str(error)) from None
         return list(prompt)
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
@@ -89,8 +100,7 @@ class OpenAIServing:
                 text = (self._decode(ids) if request.echo else "") + c.text
                 shown = c
                 if request.echo and request.logprobs is not None:  # the prompt's tokens come first
-                    shown = dataclasses.replace(c, token_ids=tuple(ids) + c.token_ids,
-                                                logprobs=tuple(p or {} for p in output.prompt_logprobs) + c.logprobs)
+                    shown = self._with_prompt(c, ids, output)
                 choices.append({"index": prompt_index * request.n + c.index, "text": text,
                                 "logprobs": self._completion_logprobs(shown) if request.logprobs is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -100,27 +110,31 @@ class OpenAIServing:
     def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
         model, plans = self.plan_completion(request)
-        return self._completion_chunks(request, model, plans)
+        return _ending_with_errors(self._completion_chunks(request, model, plans))
 
     async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
         chunk = _chunk_writer("cmpl", "text_completion", model)
-        sent: dict[tuple[int, int], tuple[int, int]] = {}
+        sent: dict[tuple[int, int], _Sent] = {}
         finals = {}
 
         async for prompt_index, output in self._merged(plans, "cmpl"):
             for c in output.outputs:
                 key = (prompt_index, c.index)
-                chars, tokens = sent.get(key, (0, 0))
-                prefix = self._decode(plans[prompt_index][0]) if request.echo and key not in sent else ""
-                delta = c.text[chars:]
-                if not (prefix or delta or c.finish_reason):
+                first = key not in sent
+                progress = sent.setdefault(key, _Sent())
+                prefix = self._decode(plans[prompt_index][0]) if request.echo and first else ""
+                delta = progress.delta(c)
+                if progress.done or not (prefix or delta.text or c.finish_reason):
                     continue
-                sent[key] = (len(c.text), len(c.token_ids))
-                new = CompletionOutput(c.index, delta, c.token_ids[tokens:], None,
-                                       None if c.logprobs is None else c.logprobs[tokens:])
-                yield chunk([{"index": prompt_index * request.n + c.index, "text": prefix + delta,
-                              "logprobs": self._completion_logprobs(new) if request.logprobs is not None else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                if prefix and request.logprobs is not None:  # the prompt's tokens come first, as unstreamed
+                    delta = self._with_prompt(delta, plans[prompt_index][0], output)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(delta, progress.text_offset)
+                    progress.text_offset += sum(len(token) for token in logprobs["tokens"])
+                progress.advance(c)
+                yield chunk([{"index": prompt_index * request.n + c.index, "text": prefix + delta.text,
+                              "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if output.finished:
                 finals[prompt_index] = output
         if request.stream_options and request.stream_options.include_usage:
@@ -148,7 +162,7 @@ class OpenAIServing:
         model, plans = self.plan_chat(request)
         (output,) = await self._finals(plans, "chatcmpl")
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c) if request.logprobs else None,
+                    "logprobs": self._chat_logprobs(c, request.top_logprobs) if request.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
         return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, [output])}
@@ -156,28 +170,26 @@ class OpenAIServing:
     def chat_stream(self, request: ChatRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
         model, plans = self.plan_chat(request)
-        return self._chat_chunks(request, model, plans)
+        return _ending_with_errors(self._chat_chunks(request, model, plans))
 
     async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
         chunk = _chunk_writer("chatcmpl", "chat.completion.chunk", model)
-        sent: dict[int, tuple[int, int]] = {}
+        sent: dict[int, _Sent] = {}
         final = None
 
         async for _, output in self._merged(plans, "chatcmpl"):
             for c in output.outputs:
                 if c.index not in sent:
-                    sent[c.index] = (0, 0)
+                    sent[c.index] = _Sent()
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-                chars, tokens = sent[c.index]
-                delta = c.text[chars:]
-                if not (delta or c.finish_reason):
+                progress = sent[c.index]
+                delta = progress.delta(c)
+                if progress.done or not (delta.text or c.finish_reason):
                     continue
-                sent[c.index] = (len(c.text), len(c.token_ids))
-                new = CompletionOutput(c.index, delta, c.token_ids[tokens:], None,
-                                       None if c.logprobs is None else c.logprobs[tokens:])
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
-                              "logprobs": self._chat_logprobs(new) if request.logprobs else None,
+                progress.advance(c)
+                yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": self._chat_logprobs(delta, request.top_logprobs) if request.logprobs else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             final = output
         if request.stream_options and request.stream_options.include_usage:
@@ -211,6 +223,8 @@ class OpenAIServing:
                     if isinstance(item, InvalidRequestError):
                         raise RequestError(str(item)) from None
                     raise item
+                if item.error is not None and not any(c.token_ids for c in item.outputs):
+                    raise RequestError(item.error)
                 done += item.finished
                 yield index, item
         finally:
@@ -233,9 +247,16 @@ class OpenAIServing:
     def _token_text(self, token: int) -> str:
         return self._decode([token])
 
-    def _completion_logprobs(self, c: CompletionOutput) -> dict:
+    def _with_prompt(self, c: CompletionOutput, prompt_ids, output: RequestOutput) -> CompletionOutput:
+        """``c`` with the prompt's tokens and their log-probabilities first (echo with logprobs)."""
+        return dataclasses.replace(c, token_ids=tuple(prompt_ids) + c.token_ids,
+                                   logprobs=tuple(p or {} for p in output.prompt_logprobs) + (c.logprobs or ()))
+
+    def _completion_logprobs(self, c: CompletionOutput, first_offset: int = 0) -> dict:
+        """The legacy ``logprobs`` object; ``text_offset`` counts from ``first_offset`` (the text
+        already sent, when streaming)."""
         tokens = [self._token_text(t) for t in c.token_ids]
-        offsets, position = [], 0
+        offsets, position = [], first_offset
         for text in tokens:
             offsets.append(position)
             position += len(text)
@@ -245,7 +266,8 @@ class OpenAIServing:
                 "top_logprobs": [{self._token_text(k): v for k, v in step.items()} for step in steps],
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, c: CompletionOutput) -> dict:
+    def _chat_logprobs(self, c: CompletionOutput, num_top: int | None) -> dict:
+        """The chat ``logprobs`` object: each token with its ``num_top`` most likely alternatives."""
         def entry(token, logprob):
             text = self._token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -253,9 +275,48 @@ class OpenAIServing:
         steps = c.logprobs or [{} for _ in c.token_ids]
         content = []
         for token, step in zip(c.token_ids, steps):
-            tops = sorted(step.items(), key=lambda kv: -kv[1])
+            tops = sorted(step.items(), key=lambda kv: -kv[1])[: num_top or 0]
             content.append({**entry(token, step.get(token)), "top_logprobs": [entry(k, v) for k, v in tops]})
         return {"content": content}
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What a stream has sent of one choice: characters, tokens, the legacy logprobs' text
+    offset, and whether its finishing chunk went out."""
+
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+    def delta(self, c: CompletionOutput) -> CompletionOutput:
+        """The part of ``c`` not sent yet."""
+        return CompletionOutput(c.index, c.text[self.chars:], c.token_ids[self.tokens:], None,
+                                None if c.logprobs is None else c.logprobs[self.tokens:])
+
+    def advance(self, c: CompletionOutput) -> None:
+        self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+
+
+def error_body(message: str, status: int, kind: str) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+async def _ending_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``chunks``; if producing them fails once streaming has begun (the status line is sent),
+    an error event and ``[DONE]`` end the stream instead of a cut connection, as vLLM does."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except RequestError as error:
+        yield _sse(error_body(str(error), error.status, error.kind))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # noqa: BLE001 - the client gets it, the log gets the traceback
+        log.exception("stream failed")
+        yield _sse(error_body(str(error), 500, "internal_server_error"))
+        yield "data: [DONE]\n\n"
 
 
 def _id(prefix: str) -> str:

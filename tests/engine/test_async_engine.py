@@ -1,13 +1,16 @@
-"""The server's engine loop: a failing step fails only its own requests; a stopped engine says so."""
+"""The server's engine loop and OpenAI layer, in process: failures reach only their own requests."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from engine import SamplingParams
 from engine.async_engine import AsyncLLMEngine
+from engine.openai_api import OpenAIServing, RequestError
+from engine.protocol import CompletionRequest
 from tests.engine.test_llm_requests import _fail_on_call
 from tests.engine.tiny import prompts, tiny_llm
 
@@ -49,3 +52,23 @@ def test_a_stopped_engine_refuses_new_requests_at_once(llm_and_hf):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="the engine has stopped"):
         asyncio.run(asyncio.wait_for(_tokens(engine, [5, 6, 7], SamplingParams(max_tokens=2), "late"), 10))
+
+
+def test_a_prompt_the_cache_can_never_hold_is_refused_streamed_or_not(tmp_path):
+    small, _ = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots
+    engine = AsyncLLMEngine(small.engine)
+    serving = OpenAIServing(engine, ["tiny"])
+    prompt = list(range(3, 43))  # 40 tokens
+
+    async def events():
+        return [event async for event in serving.completion_stream(
+            CompletionRequest(prompt=prompt, max_tokens=4, stream=True))]
+
+    try:
+        with pytest.raises(RequestError) as refused:
+            asyncio.run(serving.completion(CompletionRequest(prompt=prompt, max_tokens=4)))
+        assert refused.value.status == 400 and "block" in str(refused.value)
+        *_, error, done = asyncio.run(events())
+        assert json.loads(error.removeprefix("data: "))["error"]["code"] == 400 and done == "data: [DONE]\n\n"
+    finally:
+        engine.shutdown()

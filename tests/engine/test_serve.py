@@ -95,6 +95,9 @@ def test_several_prompts_echo_and_logprobs(client):
     ("wrong_key", 401, "API key"),
     ("unknown_model", 404, "does not exist"),
     ("too_big", 413, "larger than"),
+    ("too_big_chunked", 413, "larger than"),
+    ("bad_token_id", 400, "outside the vocabulary"),
+    ("bad_token_id_streamed", 400, "outside the vocabulary"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -106,6 +109,9 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "wrong_key": dict(json=body, headers={"Authorization": "Bearer nope"}),
         "unknown_model": dict(json={**body, "model": "gpt-9"}),
         "too_big": dict(json={**body, "prompt": "x" * (5 * 2**20)}),
+        "too_big_chunked": dict(content=(b"x" * 2**20 for _ in range(5)), headers={"content-type": "application/json"}),
+        "bad_token_id": dict(json={**body, "prompt": [999999]}),
+        "bad_token_id_streamed": dict(json={**body, "prompt": [999999], "stream": True}),
     }[case]
     response = http(url, "POST", path, **request)
     assert response.status_code == status
@@ -114,6 +120,35 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
     if case == "too_long":
         assert "600" in error["message"] or "601" in error["message"]
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_sampling_values_beyond_the_arrays_are_served(client):
+    """vLLM accepts any 64-bit seed and a top_k above the vocabulary; neither may stop the engine."""
+    for extra in ({"seed": -1}, {"seed": 2**40}, {"extra_body": {"top_k": 3_000_000_000}}):
+        response = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, **extra)
+        assert response.choices[0].finish_reason == "length"
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_streamed_choices_finish_once_and_logprobs_match_unstreamed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, n=3, temperature=1.0, seed=1, stop=["."])
+    finishes = [c.choices[0].index for c in client.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    kwargs = dict(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert sum((c.tokens for c in chunks), []) == whole.tokens
+    assert sum((c.text_offset for c in chunks), []) == whole.text_offset
+    assert sum((c.token_logprobs for c in chunks), []) == whole.token_logprobs
+
+
+@pytest.mark.parametrize("top", [None, 2])
+def test_chat_top_logprobs_has_as_many_entries_as_asked(client, top):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0.8,
+        seed=4, logprobs=True, **({} if top is None else {"top_logprobs": top}))
+    assert [len(token.top_logprobs) for token in response.choices[0].logprobs.content] == [top or 0] * 8
 
 
 def test_models_tokenize_detokenize_health(url):
