@@ -5,6 +5,8 @@ spaces depend on neighbours), and decoding everything every step is quadratic. I
 sequence keeps two offsets into its tokens: text is decoded from ``prefix_offset`` (the
 tokens of the previous piece, as context) and only what lies past ``read_offset`` is new. A piece that ends in an
 incomplete UTF-8 character (decoded as U+FFFD) is held back until the next token completes it.
+The first pieces take the prompt's last few tokens as context (as vLLM does): SentencePiece
+decoders drop the space of a text's first token, which is not the first of the whole text.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ class DecodeState:
     read_offset: int = 0
 
 
-def decode_next(tokenizer, token_ids, state: DecodeState, *, skip_special_tokens: bool) -> DecodeState:
-    """Extend ``state.text`` with whatever the output ``token_ids`` (all of them so far) add."""
+# Prompt tokens a sequence's first output tokens are decoded after (vLLM uses as many).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+def decode_next(tokenizer, token_ids, state: DecodeState, *, skip_special_tokens: bool,
+                prompt_context=()) -> DecodeState:
+    """Extend ``state.text`` with whatever the output ``token_ids`` (all of them so far) add;
+    ``prompt_context`` (the prompt's last tokens) leads the window until it moves past the
+    first output token."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
-    prefix_text = decode(token_ids[state.prefix_offset : state.read_offset])
-    full_text = decode(token_ids[state.prefix_offset :])
+    lead = list(prompt_context) if state.prefix_offset == 0 else []
+    prefix_text = decode(lead + token_ids[state.prefix_offset : state.read_offset])
+    full_text = decode(lead + token_ids[state.prefix_offset :])
     if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
         return state
     return DecodeState(state.text + full_text[len(prefix_text) :], state.read_offset, len(token_ids))

@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from engine import beam_search
-from engine.detokenizer import DecodeState, decode_next, find_stop
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_next, find_stop
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -111,6 +111,7 @@ class RequestState:
         before = len(seq.decoded.text)
         if tokenizer is not None:
             seq.decoded = decode_next(tokenizer, seq.token_ids, seq.decoded,
+                                      prompt_context=self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
                                       skip_special_tokens=self.params.skip_special_tokens)
         seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
         return seq.finish_reason is not None

@@ -1,0 +1,37 @@
+"""Incremental detokenisation: streamed text equals decoding everything at once, after the prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaTokenizerFast
+
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_next
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style():
+    """A small Llama-2-style tokenizer: BPE whose pieces carry their leading space as '▁'."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    corpus = ["the capital of france is paris and the capital of italy is rome",
+              "once upon a time there was a fox in the village"] * 20
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    return LlamaTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_streamed_text_keeps_the_first_tokens_space(sentencepiece_style):
+    tokenizer = sentencepiece_style
+    prompt = tokenizer.encode("the capital of france is")
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        output, state = [], DecodeState()
+        for token in rng.integers(3, len(tokenizer), 6).tolist():
+            output.append(token)
+            state = decode_next(tokenizer, output, state, skip_special_tokens=True,
+                                prompt_context=prompt[-PROMPT_CONTEXT_TOKENS:])
+        whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
+        assert state.text == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+        assert state.text.startswith(" ") == tokenizer.convert_ids_to_tokens(output[0]).startswith("▁")
