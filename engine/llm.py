@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -14,7 +15,8 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import InvalidRequestError
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
+        """Generate for every prompt (text, token ids, or a ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dict); outputs come back in input order.
 
         A request that cannot run (e.g. a prompt longer than max_model_len) comes back with
         ``error`` set and no outputs; the others are unaffected.
@@ -142,10 +145,20 @@ class LLM:
         return [results[request_id] for request_id in order]
 
 
-def _as_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+def _as_list(prompts) -> list[str | list[int]]:
+    """One prompt or many, as a list of texts and token-id lists."""
+    single = isinstance(prompts, (str, Mapping)) or (len(prompts) > 0 and isinstance(prompts[0], numbers.Integral))
+    return [_text_or_ids(p) for p in ([prompts] if single else prompts)]
+
+
+def _text_or_ids(prompt) -> str | list[int]:
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 def _params_for(prompts, params):

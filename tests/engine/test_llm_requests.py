@@ -153,3 +153,18 @@ def test_a_sequence_that_outgrows_the_cache_ends_with_length_and_the_reason(tmp_
     out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
     assert out.error and out.outputs[0].finish_reason == "length"
     assert 0 < len(out.outputs[0].token_ids) < 60
+
+
+def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_hf):
+    import numpy as np
+
+    llm, hf = llm_and_hf
+    ids = prompts(1, hf.config.vocab_size, seed=33)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    expected = llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for form in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], np.array(ids), [np.array(ids)],
+                 [np.int64(t) for t in ids]):
+        (out,) = llm.generate(form, greedy, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected and out.prompt_token_ids == tuple(ids)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"tokens": ids}, greedy, use_tqdm=False)
