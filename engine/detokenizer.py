@@ -43,6 +43,13 @@ def decode_next(tokenizer, token_ids, state: DecodeState, *, skip_special_tokens
     return DecodeState(state.text + full_text[len(prefix_text) :], state.read_offset, len(token_ids))
 
 
+def decode_after(tokenizer, prompt_ids, token_ids) -> str:
+    """The text ``token_ids`` add after the prompt ``prompt_ids`` (special tokens skipped), at once."""
+    context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return decode(context + list(token_ids))[len(decode(context)):]
+
+
 def find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
     """Where the earliest stop string starting in the last ``new_chars`` (plus overlap) characters is.
 

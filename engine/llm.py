@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.detokenizer import decode_after
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -104,9 +105,12 @@ class LLM:
         """Beam search for every prompt; each output lists the ``beam_width`` best sequences, best first."""
         outputs = self._run([(prompt, params) for prompt in _as_list(prompts)], use_tqdm)
         tokenizer = self.engine.tokenizer
-        return [dataclasses.replace(out, outputs=tuple(
-            dataclasses.replace(c, text=tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer else "")
-            for c in out.outputs)) for out in outputs]
+
+        def text(out, c):
+            return decode_after(tokenizer, out.prompt_token_ids, c.token_ids) if tokenizer else ""
+
+        return [dataclasses.replace(out, outputs=tuple(dataclasses.replace(c, text=text(out, c)) for c in out.outputs))
+                for out in outputs]
 
     def cache_stats(self) -> CacheStats:
         stats = self.engine.stats()

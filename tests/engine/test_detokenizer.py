@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaTokenizerFast
 
-from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_next
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,11 @@ def test_streamed_text_keeps_the_first_tokens_space(sentencepiece_style):
         whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
         assert state.text == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
         assert state.text.startswith(" ") == tokenizer.convert_ids_to_tokens(output[0]).startswith("▁")
+
+
+def test_decoding_at_once_after_the_prompt_matches(sentencepiece_style):
+    tokenizer = sentencepiece_style
+    prompt, output = tokenizer.encode("once upon a"), tokenizer.encode("time there", add_special_tokens=False)
+    whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
+    assert decode_after(tokenizer, prompt, output) == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+    assert decode_after(tokenizer, prompt, output).startswith(" time")
