@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 _GREEDY_EPSILON = 1e-5
 
@@ -66,16 +67,23 @@ def _require(ok: bool, field: str, allowed: str, value, owner: str = "SamplingPa
         raise ValueError(f"{owner}.{field} must be {allowed}, got {value!r}")
 
 
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _check(p: SamplingParams) -> None:
     _require(isinstance(p.n, int) and p.n >= 1, "n", "an integer >= 1", p.n)
     _require(isinstance(p.best_of, int) and p.best_of >= p.n, "best_of", f"an integer >= n ({p.n})", p.best_of)
-    _require(math.isfinite(p.temperature) and p.temperature >= 0, "temperature", ">= 0", p.temperature)
-    _require(0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
+    _require(_real(p.temperature) and p.temperature >= 0, "temperature", "a number >= 0", p.temperature)
+    _require(_real(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
     _require(isinstance(p.top_k, int) and p.top_k >= 0, "top_k", "-1, 0 (off) or a positive integer", p.top_k)
-    _require(0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
-    _require(-2 <= p.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", p.presence_penalty)
-    _require(-2 <= p.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", p.frequency_penalty)
-    _require(0 < p.repetition_penalty <= 20, "repetition_penalty", "in (0, 20]", p.repetition_penalty)
+    _require(_real(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
+    _require(_real(p.presence_penalty) and -2 <= p.presence_penalty <= 2, "presence_penalty", "in [-2, 2]",
+             p.presence_penalty)
+    _require(_real(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
+             p.frequency_penalty)
+    _require(_real(p.repetition_penalty) and 0 < p.repetition_penalty <= 20, "repetition_penalty", "in (0, 20]",
+             p.repetition_penalty)
     _require(p.seed is None or isinstance(p.seed, int), "seed", "an integer or None", p.seed)
     _require(all(isinstance(s, str) and s for s in p.stop), "stop", "non-empty strings", p.stop)
     _require(all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",

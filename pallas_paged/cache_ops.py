@@ -60,8 +60,8 @@ def copy_blocks(k_cache, v_cache, src, dst):
     may also appear in ``src``. Returns the updated caches.
     """
     num_blocks = k_cache.shape[1]
+    dst = _drop_negative(jnp.where(src < 0, -1, dst), num_blocks)
     src = jnp.maximum(src, 0)
-    dst = _drop_negative(dst, num_blocks)
 
     def copy(cache):
         return _set(cache, dst, cache[:, src])

@@ -122,11 +122,13 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("temperature", -1.0, "temperature must be >= 0"),
+    ("temperature", -1.0, "temperature must be a number >= 0"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("n", 0, "n must be an integer >= 1"),
     ("max_tokens", 0, "max_tokens must be an integer >= 1"),
     ("logprobs", 50, "logprobs must be None or in"),
+    ("top_p", "a", r"top_p must be in \(0, 1\], got 'a'"),
+    ("temperature", None, "temperature must be a number >= 0, got None"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -78,8 +78,8 @@ def test_one_token_write_kv_neither_copies_the_cache_nor_writes_padding(slot):
 
 def test_copy_blocks_many_pairs_in_one_call():
     k_cache, v_cache = random_caches()
-    src = jnp.asarray([0, 1, 2, 3, 0, -1], jnp.int32)
-    dst = jnp.asarray([7, 8, 9, 10, 11, -1], jnp.int32)  # block 0 copied twice; last pair is padding
+    src = jnp.asarray([0, 1, 2, 3, 0, -1, -1, 5], jnp.int32)
+    dst = jnp.asarray([7, 8, 9, 10, 11, -1, 12, -1], jnp.int32)  # block 0 copied twice; the last three are padding
     actual = jax.jit(pallas_paged.copy_blocks)(k_cache, v_cache, src, dst)
     expected = reference.copy_blocks(k_cache, v_cache, src, dst)
     for a, e in zip(actual, expected):
