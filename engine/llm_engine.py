@@ -10,9 +10,10 @@ programs, the scheduler's (immutable) state and each request's progress.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
+import weakref
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,10 +48,34 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
-@functools.lru_cache(maxsize=2)
-def _load_model(model: str | None, dtype: str) -> models.LoadedModel:
-    """Load once per process: engines of the same model share its (immutable) parameters."""
-    return models.load_model(model, dtype=dtype)
+class _SharedModel:
+    """A loaded model that every engine of the same checkpoint uses while one is alive."""
+
+    __slots__ = ("loaded", "__weakref__")
+
+    def __init__(self, loaded: models.LoadedModel):
+        self.loaded = loaded
+
+
+_shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _checkpoint_version(path: Path) -> tuple:
+    """Names, sizes and modification times of a checkpoint's files: what changes when it is re-saved."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def _load_model(model: str | None, dtype: str) -> _SharedModel:
+    """The checkpoint's parameters, loaded once while some engine uses them: engines of the
+    same files share them (they are immutable), a re-saved checkpoint is read afresh, and
+    they are freed with the last engine."""
+    path = models.resolve(model)
+    key = (str(path.resolve()), dtype, _checkpoint_version(path))
+    shared = _shared_models.get(key)
+    if shared is None:
+        shared = _shared_models[key] = _SharedModel(models.load_model(path, dtype=dtype))
+    return shared
 
 
 @dataclasses.dataclass
@@ -69,7 +94,8 @@ class LLMEngine:
         start = time.monotonic()
         _use_compilation_cache()
         self.config = config
-        self.model_config, params, self.tokenizer = _load_model(config.model, config.param_dtype)
+        self._model = _load_model(config.model, config.param_dtype)
+        self.model_config, params, self.tokenizer = self._model.loaded
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
         mesh = parallel.make_mesh(config.tensor_parallel_size)
         spec = config.kv_cache_spec(self.model_config)
@@ -89,9 +115,10 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
         self._seeds = np.random.default_rng(config.seed)
-        self.eos_token_ids = self.model_config.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
-            else ())
+        # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(dict.fromkeys(
+            self.model_config.eos_token_ids + (() if tokenizer_eos is None else (tokenizer_eos,))))
         log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens", self.startup_seconds,
                  self.warmup_seconds, spec.num_slots)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from models.config import ModelConfig, ModelLoadError
-from models.loader import ARCHITECTURES, LoadedModel, load_model
+from models.loader import ARCHITECTURES, LoadedModel, load_model, resolve
 from models.metadata import Metadata
 from models.sharding import kv_cache_specs, named_shardings, param_specs
 
@@ -27,6 +27,7 @@ __all__ = [
     "load_model",
     "named_shardings",
     "param_specs",
+    "resolve",
     "stages",
 ]
 

@@ -10,6 +10,7 @@ finished parameters plus one layer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -98,12 +99,21 @@ def _to_device(tree, dtype):
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
 
 
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Add the end-of-sequence ids of ``generation_config.json`` (HF ``generate`` stops at any of
+    them; chat models often list their end-of-turn token only there)."""
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+
+
 def _listing(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())[:20]
 
 
 def _load_hf_dir(path: Path, put) -> LoadedModel:
-    config = from_hf(json.loads((path / "config.json").read_text()))
+    config = _with_generation_eos(from_hf(json.loads((path / "config.json").read_text())), path)
     with _safetensors_reader(path) as get:
         params = ARCHITECTURES[config.architecture].params_from_hf(config, get, put)
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)

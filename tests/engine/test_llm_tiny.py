@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import BeamSearchParams, SamplingParams
-from tests.engine.tiny import assert_same_or_close, hf_greedy, prompts, tiny_llm
+from engine import LLM, BeamSearchParams, SamplingParams
+from tests.engine.tiny import ENGINE, assert_same_or_close, hf_greedy, prompts, tiny_llm
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "opt"])
@@ -39,3 +39,39 @@ def test_beam_search_matches_hugging_face(length_penalty, tmp_path):
 
 def _strip(tokens, eos):
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def test_a_resaved_checkpoint_is_read_afresh_and_freed_with_its_engines(tmp_path):
+    import gc
+    import weakref
+
+    first, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    prompt = prompts(1, hf.config.vocab_size, seed=9)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    before = first.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    second = LLM(str(tmp_path), **ENGINE)
+    assert second.engine.runner.params is first.engine.runner.params  # same files: shared
+    for parameter in hf.parameters():  # re-save different weights in place, as after more training
+        parameter.data.mul_(-1.5)
+    hf.save_pretrained(tmp_path)
+    changed = LLM(str(tmp_path), **ENGINE)
+    assert changed.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids != before
+    held = weakref.ref(changed.engine._model)
+    del changed
+    gc.collect()
+    assert held() is None  # the last engine of those weights is gone, and so are they
+
+
+def test_an_end_of_turn_id_listed_only_in_generation_config_stops_generation(tmp_path):
+    import json
+
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    prompt = prompts(1, hf.config.vocab_size, seed=10)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    tokens = list(free[0].outputs[0].token_ids)
+    end_of_turn = tokens[3]  # listed only in generation_config.json, as chat models do
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [hf.config.eos_token_id,
+                                                                                   end_of_turn]}))
+    chat = LLM(str(tmp_path), **ENGINE)
+    out = chat.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == tokens[: tokens.index(end_of_turn) + 1] and out.finish_reason == "stop"
