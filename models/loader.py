@@ -172,6 +172,9 @@ def _convert_gguf(path: Path, put, record) -> LoadedModel:
                              f"{metadata.get(gguf.Keys.General.ARCHITECTURE)!r})")
     config = from_gguf(metadata, vocab_size=int(tensors["token_embd.weight"].shape[-1]),
                        tie_word_embeddings="output.weight" not in tensors)
+    # llama.cpp's llama architecture allows biases on the attention and MLP projections.
+    config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in tensors,
+                                 mlp_bias="blk.0.ffn_up.bias" in tensors)
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path} stores Llama 3 RoPE scaling as a rope_freqs tensor, which is not "
                              "supported; load the model's HF directory instead")

@@ -66,9 +66,9 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
     if config.activation not in layers.ACTIVATIONS:
         raise ModelLoadError(f"OPT activation {config.activation!r} is not supported; "
                              f"supported: {', '.join(layers.ACTIVATIONS)}")
-    root = "model.decoder."
+    root, embed = _decoder_root(get)
     params = {
-        "embed": put(get(root + "embed_tokens.weight")),
+        "embed": put(embed),
         "pos_embed": put(get(root + "embed_positions.weight")),
         "layers": [put(_layer_from_hf(config, get, f"{root}layers.{i}.")) for i in range(config.num_layers)],
     }
@@ -80,6 +80,15 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
     if not config.tie_word_embeddings:
         params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", bias=False))
     return params
+
+
+def _decoder_root(get) -> tuple[str, np.ndarray]:
+    """The prefix of the decoder's tensors, and its token embeddings. Checkpoints saved by
+    recent transformers say ``model.decoder.``; the original facebook/opt ones, ``decoder.``."""
+    try:
+        return "model.decoder.", get("model.decoder.embed_tokens.weight")
+    except ModelLoadError:
+        return "decoder.", get("decoder.embed_tokens.weight")
 
 
 def _layer_from_hf(config: ModelConfig, get, prefix: str):

@@ -44,7 +44,7 @@ def _write_gguf(hf, path):
         if "q_proj" in name or "k_proj" in name:
             data = _llama_cpp_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         qtype = next(quant_types) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), gguf.quants.quantize(data, qtype),
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), gguf.quants.quantize(data, qtype),
                           raw_dtype=qtype)
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         write()
@@ -130,3 +130,14 @@ def test_default_gguf_loads_without_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "30"
+
+
+def test_gguf_projection_biases_are_loaded(tmp_path):
+    hf = build_hf_model("llama_mha_bias", tmp_path / "hf")
+    path = tmp_path / "bias.gguf"
+    _write_gguf(hf, path)
+    config, params, _ = models.load_model(path)
+    _, want, _ = models.load_model(tmp_path / "hf")
+    assert config.attention_bias and config.mlp_bias
+    for key in ("q", "k", "v", "o", "gate", "up", "down"):  # 1-D tensors are stored as F32: exact
+        np.testing.assert_array_equal(params["layers"][1][key]["b"], want["layers"][1][key]["b"])

@@ -90,3 +90,17 @@ def test_default_model_is_the_packaged_gguf():
 def test_unknown_dtype(tmp_path):
     with pytest.raises(ModelLoadError, match="dtype 'float16' is not supported; choose one of float32, bfloat16"):
         models.load_model(tmp_path, dtype="float16")
+
+
+def test_opt_tensors_named_without_the_model_prefix(tmp_path):
+    """The original facebook/opt-* checkpoints name their tensors ``decoder.*``."""
+    from safetensors.numpy import load_file, save_file
+
+    build_hf_model("opt", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({name.removeprefix("model."): value for name, value in tensors.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    _, renamed, _ = models.load_model(tmp_path)
+    build_hf_model("opt", tmp_path / "original")
+    _, original, _ = models.load_model(tmp_path / "original")
+    jax.tree.map(np.testing.assert_array_equal, renamed, original)
