@@ -114,10 +114,44 @@ def _listing(path: Path) -> list[str]:
 
 def _load_hf_dir(path: Path, put) -> LoadedModel:
     config = _with_generation_eos(from_hf(json.loads((path / "config.json").read_text())), path)
-    with _safetensors_reader(path) as get:
+    reader = _pytorch_bin_reader if _bin_files(path) and not _has_safetensors(path) else _safetensors_reader
+    with reader(path) as get:
         params = ARCHITECTURES[config.architecture].params_from_hf(config, get, put)
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
     return LoadedModel(config, params, AutoTokenizer.from_pretrained(path) if has_tokenizer else None)
+
+
+def _has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
+
+
+def _bin_files(path: Path) -> list[Path]:
+    """The ``pytorch_model*.bin`` files of an older checkpoint (one, or the shards of an index)."""
+    index = path / "pytorch_model.bin.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [path / "pytorch_model.bin"] if (path / "pytorch_model.bin").is_file() else []
+
+
+@contextlib.contextmanager
+def _pytorch_bin_reader(path: Path):
+    """Yield ``get(name) -> np.ndarray`` over ``pytorch_model*.bin`` files (read with torch, which
+    serving otherwise does not need; safetensors are preferred when both exist)."""
+    if importlib.util.find_spec("torch") is None:
+        raise ModelLoadError(f"{path} holds pytorch_model.bin weights, which need torch to read: "
+                             "pip install torch, or save the model with safetensors")
+    import torch
+
+    tensors = {}
+    for file in _bin_files(path):
+        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"the checkpoint in {path} has no tensor {name!r}")
+        return tensors[name].float().numpy()
+
+    yield get
 
 
 @contextlib.contextmanager
@@ -130,8 +164,8 @@ def _safetensors_reader(path: Path):
         with safe_open(path / "model.safetensors", framework="flax") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
-        raise ModelLoadError(f"{path} has no model.safetensors or model.safetensors.index.json; "
-                             f"found {_listing(path)}")
+        raise ModelLoadError(f"{path} has no model.safetensors, model.safetensors.index.json or "
+                             f"pytorch_model.bin; found {_listing(path)}")
     with contextlib.ExitStack() as stack:
         files = {}
 

@@ -43,7 +43,7 @@ def test_directory_without_config(tmp_path):
 def test_directory_without_safetensors(tmp_path):
     build_hf_model("opt", tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(ModelLoadError, match="no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
         models.load_model(tmp_path)
 
 
@@ -104,3 +104,27 @@ def test_opt_tensors_named_without_the_model_prefix(tmp_path):
     build_hf_model("opt", tmp_path / "original")
     _, original, _ = models.load_model(tmp_path / "original")
     jax.tree.map(np.testing.assert_array_equal, renamed, original)
+
+
+def test_pytorch_bin_checkpoints_match_safetensors(tmp_path):
+    """Older checkpoints: one ``pytorch_model.bin``, or shards listed in ``pytorch_model.bin.index.json``."""
+    import torch
+
+    model = build_hf_model("llama_gqa_tied", tmp_path / "safetensors")
+    _, want, _ = models.load_model(tmp_path / "safetensors")
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    names = sorted(state)
+    shards = {"pytorch_model-1.bin": names[: len(names) // 2], "pytorch_model-2.bin": names[len(names) // 2:]}
+    for layout in ("single", "sharded"):
+        directory = tmp_path / layout
+        directory.mkdir()
+        (directory / "config.json").write_text((tmp_path / "safetensors" / "config.json").read_text())
+        if layout == "single":
+            torch.save(state, directory / "pytorch_model.bin")
+        else:
+            for file, keys in shards.items():
+                torch.save({key: state[key] for key in keys}, directory / file)
+            weight_map = {key: file for file, keys in shards.items() for key in keys}
+            (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        _, params, _ = models.load_model(directory)
+        jax.tree.map(np.testing.assert_array_equal, params, want)
