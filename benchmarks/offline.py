@@ -19,13 +19,14 @@ from collections.abc import Callable
 from benchmarks import workloads
 from engine import LLM, SamplingParams
 
-# The systems of the paper's Fig. 12, as LLM keyword arguments ("static" allocates like "paged").
+# The systems of the paper's Fig. 12, as LLM keyword arguments. "static" is FasterTransformer-
+# style: a batch runs until all its members finish, each holding KV for max_model_len tokens.
 POLICIES = {
     "paged": {"reservation": "paged"},
     "orca-oracle": {"reservation": "orca-oracle"},
     "orca-pow2": {"reservation": "orca-pow2"},
     "orca-max": {"reservation": "orca-max"},
-    "static": {"policy": "static"},
+    "static": {"policy": "static", "reservation": "orca-max"},
 }
 
 
