@@ -205,7 +205,8 @@ def _with_reason(
         f"request needs {need(blocks, group)} KV blocks of {config.block_size} tokens to {verb} "
         f"({seqs[0].len} tokens x {len(seqs)} sequences), but the device pool has "
         f"{config.num_device_blocks} blocks of which {config.watermark_blocks} stay free "
-        f"(watermark); raise num_device_blocks or shorten the request"
+        f"(watermark); give the KV cache more blocks (LLM's num_blocks or kv_cache_memory, the "
+        f"server's --num-blocks or --kv-cache-memory) or shorten the request"
     )
 
 
