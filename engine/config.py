@@ -88,11 +88,17 @@ class EngineConfig:
         return dataclasses.replace(spec, num_blocks=num_blocks)
 
     def model_len(self, model: ModelConfig) -> int:
-        """Longest prompt plus output: the user's limit, or the model's."""
+        """Longest prompt plus output: the user's limit, or the model's (its positions, and its
+        sliding window, if any: within the window, attending to the whole context is exact)."""
         if self.max_model_len and self.max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of "
                              f"{model.max_position_embeddings} positions; lower max_model_len")
-        return self.max_model_len or model.max_position_embeddings
+        window = model.sliding_window
+        if self.max_model_len and window and self.max_model_len > window:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} "
+                             f"tokens; this engine attends to the whole context, which matches the model only "
+                             f"within its window, so lower max_model_len to {window} or less")
+        return self.max_model_len or min(model.max_position_embeddings, window or model.max_position_embeddings)
 
     def scheduler_config(self, model: ModelConfig, spec: pallas_paged.KVCacheSpec) -> SchedulerConfig:
         max_model_len = self.model_len(model)

@@ -14,6 +14,12 @@ from typing import Any
 import gguf
 
 SUPPORTED_ARCHITECTURES = ("llama", "opt")
+# Hugging Face model types and the architecture that runs them: Mistral and Qwen2 are LLaMA
+# with a sliding window (which this engine does not implement, see ``sliding_window``) and,
+# for Qwen2, biases on the Q, K and V projections.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+# llama.cpp's architectures that run as LLaMA (their biases are read from the tensors present).
+GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 class ModelLoadError(ValueError):
@@ -34,8 +40,12 @@ class Llama3RopeScaling:
 class ModelConfig:
     """Shapes and options of a decoder-only model.
 
-    ``architecture`` is "llama" (LLaMA 1/2/3, SmolLM2, ...) or "opt". The
-    fields after ``mlp_bias`` apply to one architecture only.
+    ``architecture`` is "llama" (LLaMA 1/2/3, SmolLM2, Mistral, Qwen2, ...) or
+    "opt". ``attention_bias`` is for the Q, K and V projections,
+    ``attention_out_bias`` for the output one. ``sliding_window``: the model was
+    trained to attend to only its last that many tokens; the engine attends to the
+    whole context, so it keeps ``max_model_len`` within the window, where the two are
+    the same. The fields after ``sliding_window`` apply to one architecture only.
     """
 
     architecture: str
@@ -51,7 +61,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention_bias: bool = False
+    attention_out_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
     # LLaMA
     rope_theta: float = 10000.0
     rope_scaling: Llama3RopeScaling | None = None
@@ -80,12 +92,12 @@ def from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Build a config from a Hugging Face ``config.json`` dict."""
     model_type = hf.get("model_type")
     builders = {"llama": _llama_from_hf, "opt": _opt_from_hf}
-    if model_type not in builders:
+    if model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"supported: {', '.join(HF_MODEL_TYPES)}")
     try:
-        return builders[model_type](hf)
+        return builders[HF_MODEL_TYPES[model_type]](hf)
     except KeyError as missing:
         raise ModelLoadError(f"the {model_type} config has no {missing}") from None
 
@@ -106,16 +118,23 @@ def _common_from_hf(hf: Mapping[str, Any], tie_default: bool) -> dict[str, Any]:
 
 
 def _llama_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """LLaMA and the model types :data:`HF_MODEL_TYPES` runs as LLaMA."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if hf.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"LLaMA with hidden_act {hf['hidden_act']!r} is not supported, only 'silu'")
+        raise ModelLoadError(f"{hf['model_type']} with hidden_act {hf['hidden_act']!r} is not supported, only 'silu'")
+    qwen2 = hf["model_type"] == "qwen2"
+    attention_bias = qwen2 or hf.get("attention_bias", False)
+    # Mistral's window applies whenever it is set; Qwen2's only with use_sliding_window.
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", not qwen2) else None
     return ModelConfig(
         architecture="llama",
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         intermediate_size=hf["intermediate_size"],
-        attention_bias=hf.get("attention_bias", False),
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias and not qwen2,
         mlp_bias=hf.get("mlp_bias", False),
+        sliding_window=window,
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling(rope),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -146,6 +165,7 @@ def _opt_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim=hf["hidden_size"] // heads,
         intermediate_size=hf["ffn_dim"],
         attention_bias=hf.get("enable_bias", True),
+        attention_out_bias=hf.get("enable_bias", True),
         mlp_bias=hf.get("enable_bias", True),
         do_layer_norm_before=pre_norm,
         final_layer_norm=pre_norm and not hf.get("_remove_final_layer_norm", False),
@@ -163,8 +183,8 @@ def from_gguf(metadata: Mapping[str, Any], vocab_size: int, tie_word_embeddings:
     from whether the file has an ``output.weight`` tensor.
     """
     arch = metadata[gguf.Keys.General.ARCHITECTURE]
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: llama")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
 
     def key(template: str, default: Any = None) -> Any:
         value = metadata.get(template.format(arch=arch), default)

@@ -31,13 +31,18 @@ def cache_root() -> Path | None:
     return Path(root) if root else None
 
 
+# Part of every entry's key: raise it when what an entry records changes (its config fields),
+# so older entries are converted afresh rather than read with fields missing.
+FORMAT = 2
+
+
 def entry(gguf: Path) -> Path | None:
     """The cache directory for ``gguf`` (which may not exist yet)."""
     root = cache_root()
     if root is None:
         return None
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{FORMAT}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return root / "models" / f"{gguf.stem}-{key}"
 
 

@@ -123,7 +123,9 @@ def linear_from_hf(get, name: str, bias: bool):
     return {"w": weight, "b": get(name + ".bias")} if bias else {"w": weight}
 
 
-def attention_from_hf(get, prefix: str, out_name: str, bias: bool):
-    """HF ``{prefix}q_proj``, ``k_proj``, ``v_proj`` and ``{prefix}{out_name}`` → the attention linears."""
-    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": out_name}
-    return {key: linear_from_hf(get, prefix + name, bias) for key, name in names.items()}
+def attention_from_hf(get, prefix: str, out_name: str, config: ModelConfig):
+    """HF ``{prefix}q_proj``, ``k_proj``, ``v_proj`` and ``{prefix}{out_name}`` → the attention
+    linears, with biases as ``config.attention_bias`` (Q, K, V) and ``attention_out_bias`` say."""
+    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+    linears = {key: linear_from_hf(get, prefix + name, config.attention_bias) for key, name in names.items()}
+    return {**linears, "o": linear_from_hf(get, prefix + out_name, config.attention_out_bias)}

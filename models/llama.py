@@ -65,7 +65,7 @@ def _layer_from_hf(config: ModelConfig, get, prefix: str):
     mlp = prefix + "mlp."
     return {
         "attn_norm": {"scale": get(prefix + "input_layernorm.weight")},
-        **layers.attention_from_hf(get, prefix + "self_attn.", "o_proj", config.attention_bias),
+        **layers.attention_from_hf(get, prefix + "self_attn.", "o_proj", config),
         "mlp_norm": {"scale": get(prefix + "post_attention_layernorm.weight")},
         **{key: layers.linear_from_hf(get, f"{mlp}{key}_proj", config.mlp_bias) for key in ("gate", "up", "down")},
     }

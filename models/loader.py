@@ -206,25 +206,33 @@ def _convert_gguf(path: Path, put, record) -> LoadedModel:
                              f"{metadata.get(gguf.Keys.General.ARCHITECTURE)!r})")
     config = from_gguf(metadata, vocab_size=int(tensors["token_embd.weight"].shape[-1]),
                        tie_word_embeddings="output.weight" not in tensors)
-    # llama.cpp's llama architecture allows biases on the attention and MLP projections.
+    # llama.cpp's llama architecture allows biases on the attention and MLP projections; qwen2 has
+    # them on Q, K and V.
     config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in tensors,
+                                 attention_out_bias="blk.0.attn_output.bias" in tensors,
                                  mlp_bias="blk.0.ffn_up.bias" in tensors)
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path} stores Llama 3 RoPE scaling as a rope_freqs tensor, which is not "
                              "supported; load the model's HF directory instead")
-    get = record(functools.partial(_gguf_tensor, config, tensors, gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.LLAMA, config.num_layers)))
+    arch = metadata[gguf.Keys.General.ARCHITECTURE]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_layers)
+    # llama.cpp's converter permutes Q and K rows for its llama architecture only.
+    get = record(functools.partial(_gguf_tensor, config, tensors, names, permuted=arch == "llama"))
     params = llama.params_from_hf(config, get, put)
     return LoadedModel(config, params, gguf_file.tokenizer(metadata))
 
 
-def _gguf_tensor(config: ModelConfig, tensors, name_map: gguf.TensorNameMap, hf_name: str) -> np.ndarray:
-    """The HF-named tensor ``hf_name``, dequantised to float32 and in HF's layout."""
+def _gguf_tensor(config: ModelConfig, tensors, name_map: gguf.TensorNameMap, hf_name: str, *,
+                 permuted: bool) -> np.ndarray:
+    """The HF-named tensor ``hf_name``, dequantised to float32 and in HF's layout (``permuted``:
+    the file's Q and K rows are in llama.cpp's rotary order)."""
     name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name not in tensors:
         raise ModelLoadError(f"GGUF file has no tensor {name!r} (for {hf_name!r})")
     tensor = tensors[name]
     weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if not permuted:
+        return weights
     if ".attn_q." in name:
         return _unpermute_rotary(weights, config.num_heads)
     if ".attn_k." in name:

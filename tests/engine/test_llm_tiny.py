@@ -1,21 +1,17 @@
-"""The engine on tiny random LLaMA and OPT models against Hugging Face: greedy and beam search."""
+"""The engine on tiny random LLaMA-family (LLaMA, Qwen2, Mistral) and OPT models against Hugging Face: greedy and beam search."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
-from tests.engine.tiny import ENGINE, assert_same_or_close, hf_greedy, prompts, tiny_llm
+from tests.engine.tiny import ENGINE, assert_greedy_batch_matches, prompts, tiny_llm
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "opt"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2", "opt"])
 def test_greedy_batch_matches_hugging_face(name, tmp_path):
     llm, hf = tiny_llm(name, tmp_path)
-    batch = prompts(16, hf.config.vocab_size)
-    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, logprobs=5), use_tqdm=False)
-    for prompt, output in zip(batch, outputs):
-        completion = output.outputs[0]
-        assert_same_or_close(list(completion.token_ids), list(completion.logprobs), *hf_greedy(hf, prompt, 12))
+    assert_greedy_batch_matches(llm, hf)
 
 
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5])
@@ -75,3 +71,13 @@ def test_an_end_of_turn_id_listed_only_in_generation_config_stops_generation(tmp
     chat = LLM(str(tmp_path), **ENGINE)
     out = chat.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert list(out.token_ids) == tokens[: tokens.index(end_of_turn) + 1] and out.finish_reason == "stop"
+
+
+def test_a_sliding_window_model_keeps_within_its_window(tmp_path):
+    """Mistral-style models attend to their last ``sliding_window`` tokens; the engine attends to the
+    whole context, the same thing within the window, so it keeps max_model_len there and says why."""
+    llm, hf = tiny_llm("mistral", tmp_path, max_model_len=None)
+    assert llm.engine.max_model_len == hf.config.sliding_window == 96
+    with pytest.raises(ValueError, match="sliding window of 96 tokens.*lower max_model_len to 96"):
+        LLM(str(tmp_path), **{**ENGINE, "max_model_len": 97})
+    assert_greedy_batch_matches(llm, hf, count=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from tests.models.tiny_models import build_hf_model
 
 ENGINE = dict(max_model_len=128, block_size=8, num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256,
@@ -47,3 +47,12 @@ def assert_same_or_close(ours_tokens, ours_logprobs, hf_tokens, hf_logprobs):
             assert a in hf_logprobs[i] and b in ours_logprobs[i], (i, ours_tokens, hf_tokens)
             return
     assert len(ours_tokens) == len(hf_tokens) or ours_tokens[-1] in (ours_logprobs and ()), (ours_tokens, hf_tokens)
+
+
+def assert_greedy_batch_matches(llm, hf, count: int = 16, max_tokens: int = 12) -> None:
+    """Greedy ``count`` random prompts in one batch; each completion as HF's (see :func:`assert_same_or_close`)."""
+    batch = prompts(count, hf.config.vocab_size)
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5), use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        completion = output.outputs[0]
+        assert_same_or_close(list(completion.token_ids), list(completion.logprobs), *hf_greedy(hf, prompt, max_tokens))

@@ -11,6 +11,8 @@ import pytest
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 import models
+from engine import LLM
+from tests.engine.tiny import ENGINE, assert_greedy_batch_matches
 from tiny_models import build_hf_model
 
 QUANT_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F16", "Q8_0", "Q4_0", "Q4_1", "F32")]
@@ -22,10 +24,12 @@ def _llama_cpp_permute(weights, num_heads):
     return weights.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _write_gguf(hf, path):
-    """Write ``hf`` as a llama GGUF, cycling the 2-D tensors through ``QUANT_TYPES``."""
+def _write_gguf(hf, path, quant_types=QUANT_TYPES):
+    """Write ``hf`` as llama.cpp would (a llama or qwen2 GGUF), cycling the 2-D tensors through
+    ``quant_types``."""
     config = hf.config
-    writer = gguf.GGUFWriter(path, "llama")
+    arch = config.model_type
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -35,13 +39,13 @@ def _write_gguf(hf, path):
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    quant_types = itertools.cycle(QUANT_TYPES)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    quant_types = itertools.cycle(quant_types)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.numpy()
-        if "q_proj" in name or "k_proj" in name:
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             data = _llama_cpp_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         qtype = next(quant_types) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), gguf.quants.quantize(data, qtype),
@@ -141,3 +145,14 @@ def test_gguf_projection_biases_are_loaded(tmp_path):
     assert config.attention_bias and config.mlp_bias
     for key in ("q", "k", "v", "o", "gate", "up", "down"):  # 1-D tensors are stored as F32: exact
         np.testing.assert_array_equal(params["layers"][1][key]["b"], want["layers"][1][key]["b"])
+
+
+def test_a_qwen2_gguf_generates_what_hugging_face_does(tmp_path):
+    """llama.cpp's qwen2 files: Q, K and V biases, and Q/K rows in HF's order (not permuted)."""
+    hf = build_hf_model("qwen2", tmp_path / "hf")
+    path = tmp_path / "qwen2.gguf"
+    _write_gguf(hf, path, quant_types=[gguf.GGMLQuantizationType.F32])
+    llm = LLM(str(path), **ENGINE)
+    config = llm.engine.model_config
+    assert config.attention_bias and not config.attention_out_bias
+    assert_greedy_batch_matches(llm, hf, count=4)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import models
+from models.config import HF_MODEL_TYPES
 from paged_batch import PagedModel
 from tiny_models import TINY_CONFIGS, build_hf_model, hf_greedy_logits
 
@@ -30,7 +31,7 @@ def _paged_logits(model: PagedModel, prompts, refs):
 def test_paged_forward_matches_hf(name, tmp_path):
     hf = build_hf_model(name, tmp_path)
     config, params, tokenizer = models.load_model(tmp_path)
-    assert config.architecture == TINY_CONFIGS[name]["model_type"] and tokenizer is None
+    assert config.architecture == HF_MODEL_TYPES[TINY_CONFIGS[name]["model_type"]] and tokenizer is None
     prompts = _prompts(config.vocab_size)
     refs = [hf_greedy_logits(hf, p, DECODE_STEPS) for p in prompts]
 

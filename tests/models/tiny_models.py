@@ -18,6 +18,10 @@ TINY_CONFIGS = {
     "llama3_rope": dict(_LLAMA, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=50000.0,
                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                           high_freq_factor=4.0, original_max_position_embeddings=32)),
+    # Qwen2: biases on Q, K and V only. Mistral: a sliding window longer than the tests' sequences.
+    "qwen2": dict(_LLAMA, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6),
+    "mistral": dict(_LLAMA, model_type="mistral", num_key_value_heads=2, tie_word_embeddings=False,
+                    sliding_window=96),
     "opt": dict(_OPT),
     "opt_project_in_out": dict(_OPT, word_embed_proj_dim=32),
     "opt_post_norm": dict(_OPT, word_embed_proj_dim=32, do_layer_norm_before=False),
