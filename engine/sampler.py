@@ -90,13 +90,27 @@ def apply_penalties(logits, batch: SamplingBatch):
     return logits - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
 
 
-def argmax(x):
+def _first_index(mask):
+    """Index of the first True along the last axis (its length if none). mask: bool[..., n] → int32[...]."""
+    return jnp.min(jnp.where(mask, jnp.arange(mask.shape[-1], dtype=jnp.int32), mask.shape[-1]), axis=-1)
+
+
+def argmax(x, chunk: int = 128):
     """First index of each row's maximum. x: float32[rows, vocab] → int32[rows].
 
-    Two plain reductions; XLA:CPU's variadic arg-max reduction is about 3x slower.
+    The maximum of every ``chunk`` entries, then the first chunk holding the row's maximum,
+    then the first index within that chunk: plain reductions over the whole row run at
+    memory speed, and only one chunk per row is searched by index. On XLA:CPU that is 6x
+    faster than one index search over the row (32 x 49,152 logits: 0.2 against 1.3 ms), and
+    the variadic arg-max reduction is slower still.
     """
-    is_max = x == x.max(axis=-1, keepdims=True)
-    return jnp.min(jnp.where(is_max, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+    rows, vocab = x.shape
+    padded = jnp.pad(x, ((0, 0), (0, -vocab % chunk)), constant_values=-jnp.inf).reshape(rows, -1, chunk)
+    chunk_max = padded.max(axis=-1)
+    row_max = chunk_max.max(axis=-1, keepdims=True)
+    first_chunk = _first_index(chunk_max == row_max)
+    within = jnp.take_along_axis(padded, first_chunk[:, None, None], axis=1)[:, 0]
+    return first_chunk * chunk + _first_index(within == row_max)
 
 
 def _top_p_floor(logits, top_p):

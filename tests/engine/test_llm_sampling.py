@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 import scipy.stats
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import jax.numpy as jnp
 from engine import SamplingParams
-from engine.sampler import SamplingBatch, apply_penalties
+from engine.sampler import SamplingBatch, apply_penalties, argmax
 from tests.engine.tiny import prompts, tiny_llm
 
 
@@ -98,6 +99,18 @@ def test_sample_frequencies_follow_the_softmax(llm_and_hf):
     observed = np.append(counts[common], counts[~common].sum())
     wanted = np.append(expected[common], expected[~common].sum())
     assert scipy.stats.chisquare(observed, wanted).pvalue > 1e-3
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 700), levels=st.integers(1, 4), seed=st.integers(0, 2**16),
+       masked=st.floats(0, 1))
+def test_greedy_picks_the_first_of_the_highest_logits(rows, vocab, levels, seed, masked):
+    """Ties (few distinct values) go to the lowest token id, as with numpy and torch; -inf
+    (banned) logits and vocabularies that are no multiple of the search's chunk included."""
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(0, levels, (rows, vocab)).astype(np.float32)
+    logits[rng.random((rows, vocab)) < masked] = -np.inf
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(logits))), logits.argmax(axis=-1))
 
 
 def test_penalties_change_logits_as_hugging_face_and_openai_do():
