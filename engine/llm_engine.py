@@ -20,7 +20,7 @@ import numpy as np
 
 import models
 from models import gguf_cache
-from engine import beam_search, parallel
+from engine import beam_search, parallel, step_sampling
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
@@ -109,6 +109,8 @@ class LLMEngine:
         loaded = time.monotonic()
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
+            if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
+                step_sampling.warm_up(self.model_config.vocab_size, self.runner.logits_sizes())
         self.warmup_seconds = time.monotonic() - loaded
         self.startup_seconds = time.monotonic() - start
         self.state = sch.initial_state(self.scheduler_config)

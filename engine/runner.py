@@ -152,9 +152,7 @@ class ModelRunner:
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
-        shapes = [(1, size, size) for size in self.decode_buckets]
-        shapes += [(2, size, rows) for size in self.token_buckets
-                   for rows in sorted({min(r, size) for r in self.logits_buckets})]
+        shapes = self._step_shapes()
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
         params, layer_params, kv_cache = abstract((self.outer_params, self.params["layers"][0], kv_caches[0]))
         calls = []
@@ -173,6 +171,16 @@ class ModelRunner:
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
+
+    def _step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every step shape as (kind, tokens, logits rows): kind 1 is decode-only, 2 has prompts."""
+        shapes = [(1, size, size) for size in self.decode_buckets]
+        return shapes + [(2, size, rows) for size in self.token_buckets
+                         for rows in sorted({min(r, size) for r in self.logits_buckets})]
+
+    def logits_sizes(self) -> list[int]:
+        """The row counts of the logits of every step shape (the sampler's shapes)."""
+        return sorted({rows for _, _, rows in self._step_shapes()})
 
     def _dummy_works(self, kind: int, num_tokens: int) -> list[ScheduledGroupWork]:
         """Work of the right shape (a decode of ``num_tokens`` sequences, or a prefill of

@@ -2,13 +2,15 @@
 
 Every sequence that samples this step gets one row; the rows of a prefill shared by ``n``
 sequences all read the logits of its last token. Row arrays are padded to a power of two
-(padding rows are greedy and discarded) so the sampler compiles for few shapes.
+(padding rows are greedy and discarded), at least to the logits' row count, so the sampler
+compiles for few shapes; the greedy ones at start-up (:func:`warm_up`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from engine.requests import RequestState
@@ -39,12 +41,13 @@ def _padded_tokens(token_lists, *, when: bool) -> np.ndarray:
     return out
 
 
-def batch_for(rows: list[Row], num_top: int, vocab_size: int) -> SamplingBatch:
-    """The sampler's per-row parameters for ``rows``, padded to a power of two.
+def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> SamplingBatch:
+    """The sampler's per-row parameters for ``rows``, padded to ``size`` rows or the next
+    power of two of their number, whichever is more.
 
     A top_k of the vocabulary's size or more keeps every token, so it is off; tokens outside
     the vocabulary can never be sampled, so they are not banned."""
-    size = _pow2(len(rows))
+    size = max(size, _pow2(len(rows)))
     params = [row.request.params for row in rows]
     sampling = [p if isinstance(p, SamplingParams) else SamplingParams(temperature=0.0) for p in params]
     pad = size - len(rows)
@@ -83,12 +86,33 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int) -> SamplingBatch:
 def sample_rows(logits, rows: list[Row]) -> SamplerOutput:
     """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs)."""
     num_top = max((_wanted_top(row.request) for row in rows), default=0)
-    batch = batch_for(rows, num_top, logits.shape[-1])
+    # As many rows as the logits (a power of two, set by the runner's buckets): the shapes
+    # :func:`warm_up` compiles, unless parallel sampling asks for more rows than that.
+    batch = batch_for(rows, num_top, logits.shape[-1], size=logits.shape[0])
+    if not logits.committed:  # whether they are depends on how the head was compiled; the
+        # sampler's programs differ by it, and :func:`warm_up` compiles the committed ones.
+        logits = jax.device_put(logits, next(iter(logits.devices())))
     index = np.zeros(batch.temperature.shape[0], np.int32)
     index[: len(rows)] = [row.logits_row for row in rows]
     out = sample(logits, batch, index)
     return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
                                                                  out.top_logprobs)))
+
+
+def warm_up(vocab_size: int, sizes) -> None:
+    """Compile the greedy sampler for logits of each row count in ``sizes``: the program of
+    every greedy step without penalties, banned tokens or logprobs (about 0.15 s each).
+
+    Sampling with a temperature compiles on first use instead: 0.4-0.6 s per row count, 5 s
+    for all of them, which would make start-up miss its 30 s target. Those compilations last
+    long enough to land in the persistent compilation cache, so only a process's first
+    run with an empty cache pays for them; greedy ones are too quick to be kept there.
+    """
+    for size in sizes:
+        batch = batch_for([], 0, vocab_size, size=size)
+        # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
+        logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
+        jax.block_until_ready(sample(logits, batch, np.zeros(size, np.int32)))
 
 
 def _wanted_top(request: RequestState) -> int:
