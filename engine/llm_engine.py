@@ -107,10 +107,11 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
         loaded = time.monotonic()
+        self._sampler_sizes = frozenset(self.runner.logits_sizes())
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
-                step_sampling.warm_up(self.model_config.vocab_size, self.runner.logits_sizes())
+                step_sampling.warm_up(self.model_config.vocab_size, self._sampler_sizes)
         self.warmup_seconds = time.monotonic() - loaded
         self.startup_seconds = time.monotonic() - start
         self.state = sch.initial_state(self.scheduler_config)
@@ -242,7 +243,9 @@ class LLMEngine:
             self._record_prompt_logprobs(logits, prompt_rows)
         if not rows:
             return []
-        sampled = sample_rows(logits, rows)
+        # Padded to the logits' rows when the warm-up compiled that size (not for the token
+        # buckets of prompt logprobs, where it would sample up to thousands of padding rows).
+        sampled = sample_rows(logits, rows, pad_to=logits.shape[0] if logits.shape[0] in self._sampler_sizes else 1)
         actions, next_child = [], self.state.next_seq_id
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):

@@ -83,12 +83,13 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     )
 
 
-def sample_rows(logits, rows: list[Row]) -> SamplerOutput:
-    """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs)."""
+def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
+    """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs).
+
+    logits: float32[L, vocab]. The rows are padded to at least ``pad_to``: L, when it is one
+    of the sizes :func:`warm_up` compiled, so the step runs a compiled program."""
     num_top = max((_wanted_top(row.request) for row in rows), default=0)
-    # As many rows as the logits (a power of two, set by the runner's buckets): the shapes
-    # :func:`warm_up` compiles, unless parallel sampling asks for more rows than that.
-    batch = batch_for(rows, num_top, logits.shape[-1], size=logits.shape[0])
+    batch = batch_for(rows, num_top, logits.shape[-1], size=pad_to)
     if not logits.committed:  # whether they are depends on how the head was compiled; the
         # sampler's programs differ by it, and :func:`warm_up` compiles the committed ones.
         logits = jax.device_put(logits, next(iter(logits.devices())))
