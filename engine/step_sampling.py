@@ -105,9 +105,10 @@ def warm_up(vocab_size: int, sizes) -> None:
     every greedy step without penalties, banned tokens or logprobs (about 0.15 s each).
 
     Sampling with a temperature compiles on first use instead: 0.4-0.6 s per row count, 5 s
-    for all of them, which would make start-up miss its 30 s target. Those compilations last
-    long enough to land in the persistent compilation cache, so only a process's first
-    run with an empty cache pays for them; greedy ones are too quick to be kept there.
+    for all of them, which made a cold start here take 33 s, over its 30 s target. They take
+    long enough to be kept in the persistent compilation cache, so only the first run with an
+    empty cache compiles them and later processes load them; greedy ones are too quick to be
+    kept there, hence compiled at every start.
     """
     for size in sizes:
         batch = batch_for([], 0, vocab_size, size=size)
