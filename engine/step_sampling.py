@@ -93,9 +93,14 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
     if not logits.committed:  # whether they are depends on how the head was compiled; the
         # sampler's programs differ by it, and :func:`warm_up` compiles the committed ones.
         logits = jax.device_put(logits, next(iter(logits.devices())))
-    index = np.zeros(batch.temperature.shape[0], np.int32)
-    index[: len(rows)] = [row.logits_row for row in rows]
-    out = sample(logits, batch, index)
+    picked = [row.logits_row for row in rows]
+    if picked == list(range(len(rows))) and batch.temperature.shape[0] <= logits.shape[0]:
+        # Each row samples its own logits row (padding rows the ones after): no gather.
+        out = sample(logits, batch)
+    else:
+        index = np.zeros(batch.temperature.shape[0], np.int32)
+        index[: len(rows)] = picked
+        out = sample(logits, batch, index)
     return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
                                                                  out.top_logprobs)))
 
@@ -114,7 +119,7 @@ def warm_up(vocab_size: int, sizes) -> None:
         batch = batch_for([], 0, vocab_size, size=size)
         # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
         logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
-        jax.block_until_ready(sample(logits, batch, np.zeros(size, np.int32)))
+        jax.block_until_ready(sample(logits, batch))
 
 
 def _wanted_top(request: RequestState) -> int:

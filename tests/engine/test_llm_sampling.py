@@ -11,7 +11,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import jax.numpy as jnp
 from engine import SamplingParams
-from engine.sampler import SamplingBatch, apply_penalties, argmax
+from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf
 from tests.engine.tiny import prompts, tiny_llm
 
 
@@ -111,6 +111,26 @@ def test_greedy_picks_the_first_of_the_highest_logits(rows, vocab, levels, seed,
     logits = rng.integers(0, levels, (rows, vocab)).astype(np.float32)
     logits[rng.random((rows, vocab)) < masked] = -np.inf
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(logits))), logits.argmax(axis=-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 700), seed=st.integers(0, 2**16), zeros=st.floats(0, 0.95))
+def test_the_draw_picks_where_the_running_sum_passes_the_target(rows, vocab, seed, zeros):
+    """The chunked inverse of the cumulative distribution against numpy's over the whole row:
+    the first token whose running sum exceeds the target, so zero-weight (truncated or
+    banned) tokens are never drawn, even for a target of exactly 0 or one at the very top.
+    Small integer weights keep every sum exact."""
+    rng = np.random.default_rng(seed)
+    weights = rng.integers(0, 4, (rows, vocab)).astype(np.float32)
+    weights[rng.random((rows, vocab)) < zeros] = 0
+    weights[np.arange(rows), rng.integers(0, vocab, rows)] = 1  # every row keeps a token
+    totals = weights.sum(axis=-1)
+    targets = np.floor(rng.random(rows) * (totals + 1)).astype(np.float32)  # 0 ... total, inclusive
+    expected = [min(np.searchsorted(np.cumsum(w), t, side="right"), np.flatnonzero(w).max())
+                for w, t in zip(weights, targets)]
+    drawn = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.asarray(targets)))
+    np.testing.assert_array_equal(drawn, expected)
+    assert (weights[np.arange(rows), drawn] > 0).all()
 
 
 def test_penalties_change_logits_as_hugging_face_and_openai_do():
