@@ -99,7 +99,9 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                # Idle time compiles what the start-up left out, one short program at a time.
+                self._drain_inbox(block=idle and not self.engine.warm_up_when_idle())
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as error:  # the loop must not die silently: fail every waiting request

@@ -3,7 +3,7 @@
 Every sequence that samples this step gets one row; the rows of a prefill shared by ``n``
 sequences all read the logits of its last token. Row arrays are padded to a power of two
 (padding rows are greedy and discarded), at least to the logits' row count, so the sampler
-compiles for few shapes; the greedy ones at start-up (:func:`warm_up`).
+compiles for few shapes, ahead of the steps that need them (:func:`warm_up`).
 """
 
 from __future__ import annotations
@@ -105,18 +105,21 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
                                                                  out.top_logprobs)))
 
 
-def warm_up(vocab_size: int, sizes) -> None:
-    """Compile the greedy sampler for logits of each row count in ``sizes``: the program of
-    every greedy step without penalties, banned tokens or logprobs (about 0.15 s each).
+def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
+    """Compile the sampler for logits of each row count in ``sizes``: the program of every
+    step without penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy
+    (about 0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each).
 
-    Sampling with a temperature compiles on first use instead: 0.4-0.6 s per row count, 5 s
-    for all of them, which made a cold start here take 33 s, over its 30 s target. They take
-    long enough to be kept in the persistent compilation cache, so only the first run with an
-    empty cache compiles them and later processes load them; greedy ones are too quick to be
-    kept there, hence compiled at every start.
+    The engine compiles the greedy ones at start-up, and the others when it has nothing to do
+    (:meth:`engine.llm_engine.LLMEngine.warm_up_when_idle`): all of them at start-up made a
+    cold start here take 33 s, over its 30 s target. Those take long enough to be kept in the
+    persistent compilation cache, so later processes load them in about 0.1 s each; greedy
+    ones are too quick to be kept there, hence compiled at every start.
     """
     for size in sizes:
         batch = batch_for([], 0, vocab_size, size=size)
+        if not greedy:
+            batch = batch.replace(all_greedy=False)
         # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
         logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
         jax.block_until_ready(sample(logits, batch))

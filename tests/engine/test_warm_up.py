@@ -1,9 +1,13 @@
 """Start-up: after the warm-up, serving compiles nothing (every step's shapes were bucketed and
-compiled, and the greedy sampler for each of them)."""
+compiled, and the greedy sampler for each of them; sampling with a temperature once the server
+has been idle a few seconds)."""
 
 from __future__ import annotations
 
+import time
+
 from engine import BeamSearchParams, SamplingParams, programs, sampler
+from engine.async_engine import AsyncLLMEngine
 from tests.engine.tiny import prompts, tiny_llm
 
 
@@ -25,3 +29,20 @@ def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
     llm.beam_search(prompts(2, vocab, seed=3), BeamSearchParams(beam_width=3, max_tokens=4))
     assert compiled == []
 
+
+def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
+    assert llm.engine.warm_ups_left > 0
+    server_loop = AsyncLLMEngine(llm.engine)
+    try:
+        deadline = time.monotonic() + 120
+        while llm.engine.warm_ups_left and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        server_loop.shutdown()
+    assert llm.engine.warm_ups_left == 0
+    samplers = sampler.sample._cache_size()
+    # Batches of 1-16 rows, seeded or not, at vLLM's and OpenAI's default temperature of 1.
+    llm.generate(prompts(16, hf.config.vocab_size, seed=4), [SamplingParams(max_tokens=6, seed=i % 2 or None)
+                                                              for i in range(16)], use_tqdm=False)
+    assert sampler.sample._cache_size() == samplers
