@@ -133,6 +133,34 @@ def test_the_draw_picks_where_the_running_sum_passes_the_target(rows, vocab, see
     assert (weights[np.arange(rows), drawn] > 0).all()
 
 
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(129, 3000), seed=st.integers(0, 2**16), zeros=st.floats(0, 0.9), spread=st.floats(0.5, 8))
+def test_the_draw_never_picks_a_zero_weight_token(vocab, seed, zeros, spread):
+    """Float weights as a softmax makes them, with zeros (truncated or banned tokens, among them
+    the first of every 128), and targets at and just past the boundaries of the chunked running
+    sum as XLA rounds it: the drawn token has weight, and its running sum crosses the target
+    up to rounding."""
+    rng = np.random.default_rng(seed)
+    rows = 32
+    logits = rng.standard_normal((rows, vocab)) * spread
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True)).astype(np.float32)
+    weights[:, ::128] = 0
+    weights[rng.random((rows, vocab)) < zeros] = 0
+    weights[np.arange(rows), rng.integers(0, vocab, rows)] = 1
+    chunk_sums = np.pad(weights, ((0, 0), (0, -vocab % 128))).reshape(rows, -1, 128).sum(axis=-1)
+    ends = np.asarray(jnp.cumsum(jnp.asarray(chunk_sums), axis=-1))
+    targets = ends[np.arange(rows), rng.integers(0, ends.shape[1], rows)]
+    targets = np.where(rng.random(rows) < 0.5, targets, np.nextafter(targets, np.float32(np.inf))).astype(np.float32)
+    drawn = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.asarray(targets)))
+    assert (weights[np.arange(rows), drawn] > 0).all()
+    running = np.cumsum(weights.astype(np.float64), axis=-1)
+    slack = 1e-5 * running[:, -1]
+    through = running[np.arange(rows), drawn]
+    before = through - weights[np.arange(rows), drawn]
+    assert ((before <= targets + slack) & ((through >= targets - slack) | (drawn == vocab - 1 - np.argmax(
+        weights[:, ::-1] > 0, axis=-1)))).all()
+
+
 def test_penalties_change_logits_as_hugging_face_and_openai_do():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((2, 32)).astype(np.float32) * 3
