@@ -105,16 +105,20 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
                                                                  out.top_logprobs)))
 
 
-def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
+def warm_up(vocab_size: int, sizes, *, greedy: bool = True, picked_rows: bool = False) -> None:
     """Compile the sampler for logits of each row count in ``sizes``: the program of every
     step without penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy
-    (about 0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each).
+    (about 0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each);
+    for rows that each read their own logits row (every decode step), or with ``picked_rows``
+    for rows that pick theirs (the prefill of a request with ``n`` > 1, whose ``n`` rows
+    read one).
 
-    The engine compiles the greedy ones at start-up, and the others when it has nothing to do
-    (:meth:`engine.llm_engine.LLMEngine.warm_up_when_idle`): all of them at start-up made a
-    cold start here take 33 s, over its 30 s target. Those take long enough to be kept in the
-    persistent compilation cache, so later processes load them in about 0.1 s each; greedy
-    ones are too quick to be kept there, hence compiled at every start.
+    The engine compiles the greedy ones for their own rows at start-up, and the others when it
+    has nothing to do (:meth:`engine.llm_engine.LLMEngine.warm_up_when_idle`): all of them at
+    start-up would take a cold start here over its 30 s target. Those with a temperature take
+    long enough to be kept in the persistent compilation cache, so later processes load them
+    in about 0.1 s each; greedy ones are too quick to be kept there, hence compiled at every
+    start.
     """
     for size in sizes:
         batch = batch_for([], 0, vocab_size, size=size)
@@ -122,7 +126,8 @@ def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
             batch = batch.replace(all_greedy=False)
         # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
         logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
-        jax.block_until_ready(sample(logits, batch))
+        jax.block_until_ready(sample(logits, batch, np.zeros(size, np.int32)) if picked_rows else
+                              sample(logits, batch))
 
 
 def _wanted_top(request: RequestState) -> int:

@@ -42,7 +42,12 @@ def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
         server_loop.shutdown()
     assert llm.engine.warm_ups_left == 0
     samplers = sampler.sample._cache_size()
-    # Batches of 1-16 rows, seeded or not, at vLLM's and OpenAI's default temperature of 1.
-    llm.generate(prompts(16, hf.config.vocab_size, seed=4), [SamplingParams(max_tokens=6, seed=i % 2 or None)
-                                                              for i in range(16)], use_tqdm=False)
+    # Batches of 1-16 rows, seeded or not, at vLLM's and OpenAI's default temperature of 1;
+    # then requests with n > 1 (whose rows share a logits row at first), greedy or not.
+    vocab = hf.config.vocab_size
+    llm.generate(prompts(16, vocab, seed=4), [SamplingParams(max_tokens=6, seed=i % 2 or None) for i in range(16)],
+                 use_tqdm=False)
+    for temperature in (1.0, 0.0):
+        llm.generate(prompts(3, vocab, seed=5), SamplingParams(n=2, temperature=temperature, max_tokens=3),
+                     use_tqdm=False)
     assert sampler.sample._cache_size() == samplers
