@@ -108,15 +108,13 @@ class LLMEngine:
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
         loaded = time.monotonic()
         self._sampler_sizes = frozenset(self.runner.logits_sizes())
-        # Sampler programs left for idle time (:meth:`warm_up_when_idle`) as (rows, greedy,
-        # picked rows): the likeliest first, smallest batch first.
-        self._idle_warm_ups: list[tuple[int, bool, bool]] = []
+        # Sampler programs left for idle time (:meth:`warm_up_when_idle`), smallest batch first.
+        self._idle_warm_ups: list[int] = []
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
                 step_sampling.warm_up(self.model_config.vocab_size, self._sampler_sizes)
-                kinds = ((False, False), (False, True), (True, True))  # (greedy, picked rows)
-                self._idle_warm_ups = [(size, *kind) for kind in kinds for size in sorted(self._sampler_sizes)]
+                self._idle_warm_ups = sorted(self._sampler_sizes)
         self.warmup_seconds = time.monotonic() - loaded
         self.startup_seconds = time.monotonic() - start
         self.state = sch.initial_state(self.scheduler_config)
@@ -198,16 +196,14 @@ class LLMEngine:
         return len(self._idle_warm_ups)
 
     def warm_up_when_idle(self) -> bool:
-        """Compile one program the start-up left out, if any is: the sampler with a temperature,
-        or for the rows of a request with ``n`` > 1, for one logits size (up to 0.6 s; 0.1 s
-        from the persistent cache). Returns whether it compiled one. For callers with nothing
-        else to do, such as the server between requests, so that later steps do not stall on
-        the compiler."""
+        """Compile one program the start-up left out, if any is: sampling with a temperature,
+        for one number of rows (about 0.6 s; 0.1 s from the persistent cache). Returns whether
+        it compiled one. For callers with nothing else to do, such as the server between
+        requests, so that later steps do not stall on the compiler."""
         if not self._idle_warm_ups:
             return False
-        size, greedy, picked = self._idle_warm_ups.pop(0)
         try:
-            step_sampling.warm_up(self.model_config.vocab_size, [size], greedy=greedy, picked_rows=picked)
+            step_sampling.warm_up(self.model_config.vocab_size, [self._idle_warm_ups.pop(0)], greedy=False)
         except Exception:  # an optimisation only: steps still compile what they need
             log.exception("warming up the sampler failed; the rest compiles on first use")
             self._idle_warm_ups.clear()

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from engine.requests import RequestState
-from engine.sampler import SamplingBatch, SamplerOutput, sample
+from engine.sampler import SamplingBatch, SamplerOutput, pick_rows, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -94,31 +94,26 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
         # sampler's programs differ by it, and :func:`warm_up` compiles the committed ones.
         logits = jax.device_put(logits, next(iter(logits.devices())))
     picked = [row.logits_row for row in rows]
-    if picked == list(range(len(rows))) and batch.temperature.shape[0] <= logits.shape[0]:
-        # Each row samples its own logits row (padding rows the ones after): no gather.
-        out = sample(logits, batch)
-    else:
-        index = np.zeros(batch.temperature.shape[0], np.int32)
+    size = batch.temperature.shape[0]
+    if size != logits.shape[0] or picked != list(range(len(rows))):
+        index = np.zeros(size, np.int32)  # padding rows read row 0
         index[: len(rows)] = picked
-        out = sample(logits, batch, index)
+        logits = pick_rows(logits, index)
+    out = sample(logits, batch)
     return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
                                                                  out.top_logprobs)))
 
 
-def warm_up(vocab_size: int, sizes, *, greedy: bool = True, picked_rows: bool = False) -> None:
-    """Compile the sampler for logits of each row count in ``sizes``: the program of every
-    step without penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy
-    (about 0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each);
-    for rows that each read their own logits row (every decode step), or with ``picked_rows``
-    for rows that pick theirs (the prefill of a request with ``n`` > 1, whose ``n`` rows
-    read one).
+def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
+    """Compile the sampler for each row count in ``sizes``: the program of every step without
+    penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy (about
+    0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each).
 
-    The engine compiles the greedy ones for their own rows at start-up, and the others when it
-    has nothing to do (:meth:`engine.llm_engine.LLMEngine.warm_up_when_idle`): all of them at
-    start-up would take a cold start here over its 30 s target. Those with a temperature take
-    long enough to be kept in the persistent compilation cache, so later processes load them
-    in about 0.1 s each; greedy ones are too quick to be kept there, hence compiled at every
-    start.
+    The engine compiles the greedy ones at start-up, and the others when it has nothing to do
+    (:meth:`engine.llm_engine.LLMEngine.warm_up_when_idle`): all of them at start-up would
+    take a cold start here over its 30 s target. Those take long enough to be kept in the
+    persistent compilation cache, so later processes load them in about 0.1 s each; greedy
+    ones are too quick to be kept there, hence compiled at every start.
     """
     for size in sizes:
         batch = batch_for([], 0, vocab_size, size=size)
@@ -126,8 +121,7 @@ def warm_up(vocab_size: int, sizes, *, greedy: bool = True, picked_rows: bool = 
             batch = batch.replace(all_greedy=False)
         # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
         logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
-        jax.block_until_ready(sample(logits, batch, np.zeros(size, np.int32)) if picked_rows else
-                              sample(logits, batch))
+        jax.block_until_ready(sample(logits, batch))
 
 
 def _wanted_top(request: RequestState) -> int:
