@@ -48,6 +48,7 @@ def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
     llm.generate(prompts(16, vocab, seed=4), [SamplingParams(max_tokens=6, seed=i % 2 or None) for i in range(16)],
                  use_tqdm=False)
     for temperature in (1.0, 0.0):
-        llm.generate(prompts(3, vocab, seed=5), SamplingParams(n=2, temperature=temperature, max_tokens=3),
-                     use_tqdm=False)
+        for num_prompts, n in ((3, 2), (1, 4)):
+            llm.generate(prompts(num_prompts, vocab, seed=5), SamplingParams(n=n, temperature=temperature, max_tokens=3),
+                         use_tqdm=False)
     assert sampler.sample._cache_size() == samplers
