@@ -265,9 +265,10 @@ class LLMEngine:
             self._record_prompt_logprobs(logits, prompt_rows)
         if not rows:
             return []
-        # Padded to the logits' rows when the warm-up compiled that size (not for the token
-        # buckets of prompt logprobs, where it would sample up to thousands of padding rows).
-        sampled = sample_rows(logits, rows, pad_to=logits.shape[0] if logits.shape[0] in self._sampler_sizes else 1)
+        # Padded to the logits' rows when the warm-up compiled that size; otherwise (the token
+        # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
+        pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
+        sampled = sample_rows(logits, rows, pad_to=pad_to)
         actions, next_child = [], self.state.next_seq_id
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):

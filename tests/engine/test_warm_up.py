@@ -52,3 +52,13 @@ def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
             llm.generate(prompts(num_prompts, vocab, seed=5), SamplingParams(n=n, temperature=temperature, max_tokens=3),
                          use_tqdm=False)
     assert sampler.sample._cache_size() == samplers
+
+
+def test_prompt_logprobs_compile_no_sampler_program_with_bfloat16_weights(tmp_path):
+    """Their logits rows are a whole token bucket, which the sampler's warm-up does not cover;
+    the sampled rows are padded to a size it does (two rows at least, with 16-bit weights)."""
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64, max_num_seqs=4,
+                      dtype="bfloat16")
+    samplers = sampler.sample._cache_size()
+    llm.generate([list(range(3, 43))], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert sampler.sample._cache_size() == samplers
