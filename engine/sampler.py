@@ -150,7 +150,7 @@ def truncate(logits, batch: SamplingBatch):
 def _uniform(seed, sample_index, step):
     """One uniform float32 in [0, 1) per row: a single Threefry hash, keyed by the request's
     seed and the row's sample index, of the step as the counter. uint32[rows] / int32[rows] →
-    float32[rows]. (Folding each into a key took three hashes, and most of the sampler's
+    float32[rows]. (Folding each into a key took three hashes, and a third of the sampler's
     compile time.)"""
     def row_bits(seed, sample_index, step):
         return threefry_2x32((seed, sample_index.astype(jnp.uint32)), jnp.stack([step.astype(jnp.uint32), 0]))[0]
