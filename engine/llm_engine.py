@@ -142,9 +142,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams,
                     *, expected_output_len: int | None = None) -> None:
         """Queue a request. Raises ``InvalidRequestError`` (nothing queued) for a prompt that
-        is empty, too long for ``max_model_len``, or holds unknown token ids."""
+        is empty, too long for ``max_model_len``, or holds unknown token ids, or a logit bias
+        on an unknown token."""
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(token_ids, request_id)
+        self.check_params(params, request_id)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
@@ -179,6 +181,14 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {vocab})")
+
+    def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
+        """Raise ``InvalidRequestError`` for parameters naming tokens the model does not have."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in getattr(params, "logit_bias", ()) if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"request {request_id!r}: logit_bias token ids {bad[:5]} are outside the "
+                                      f"vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""

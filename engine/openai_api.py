@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ChatRequest, CompletionRequest
+from engine.sampling_params import SamplingParams
 from engine.scheduler import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,15 @@ class OpenAIServing:
             raise RequestError(str(error)) from None
         return list(prompt)
 
+    def _params(self, request, **kwargs) -> SamplingParams:
+        """The request's ``SamplingParams``; a 400 naming the field for a bad value."""
+        try:
+            params = request.sampling_params(**kwargs)
+            self.engine.engine.check_params(params)
+        except (ValueError, InvalidRequestError) as error:
+            raise RequestError(str(error)) from None
+        return params
+
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """The completion budget; refuses prompts (plus requested tokens) over the context."""
         room = self.max_model_len - prompt_len
@@ -81,11 +91,8 @@ class OpenAIServing:
             raise RequestError("best_of cannot be larger than n when streaming")
         plans = []
         for ids in prompts:
-            try:
-                params = request.sampling_params(max_tokens=self._max_tokens(len(ids), request.max_tokens),
-                                                 logprobs=request.logprobs, best_of=request.best_of)
-            except ValueError as error:
-                raise RequestError(str(error)) from None
+            params = self._params(request, max_tokens=self._max_tokens(len(ids), request.max_tokens),
+                                  logprobs=request.logprobs, best_of=request.best_of)
             if request.echo and request.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
             plans.append((ids, params))
@@ -151,11 +158,8 @@ class OpenAIServing:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                                  tokenize=True, return_dict=False)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        try:
-            params = request.sampling_params(max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
-                                             logprobs=logprobs)
-        except ValueError as error:
-            raise RequestError(str(error)) from None
+        params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
+                              logprobs=logprobs)
         return model, [(list(ids), params)]
 
     async def chat(self, request: ChatRequest) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
         """Our ``SamplingParams``; raises ValueError naming a bad field."""
@@ -50,7 +52,20 @@ class _Sampling(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) → {token id: bias}, each bias clamped to
+    [-100, 100] as OpenAI documents and vLLM does (NaN is left for ``SamplingParams`` to refuse)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[token] = value if math.isnan(value) else min(100.0, max(-100.0, value))
+    return out
 
 
 class CompletionRequest(_Sampling):

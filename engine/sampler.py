@@ -1,6 +1,6 @@
 """Picking the next token for a whole batch in one jitted call, each row with its own parameters.
 
-Order, as in vLLM: penalties on the logits, banned tokens (EOS before ``min_tokens``),
+Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``),
 temperature, then top-k, top-p and min-p truncation, then one draw from what is left. Greedy
 rows take the arg-max of the penalised logits. Each row's random number is a Threefry hash of
 its request's seed, its sample index and its step, so a seeded request samples the same
@@ -34,7 +34,9 @@ class SamplingBatch:
     float32[rows]; top_k: int32[rows] (0 = off); seed: uint32[rows]; sample_index: int32[rows]
     (which of a request's samples the row is); step: int32[rows] (tokens generated so far);
     output_tokens: int32[rows, max_out] and prompt_tokens: int32[rows, max_prompt] (-1 padded,
-    only read when ``penalties``); banned: int32[rows, max_banned] (-1 padded).
+    only read when ``penalties``); banned: int32[rows, max_banned] (-1 padded); bias_tokens:
+    int32[rows, max_biased] (-1 padded) and bias_values: float32[rows, max_biased], the
+    requests' ``logit_bias`` (``max_biased`` is 0 when no row has any).
     Static: ``penalties``, ``top_p_or_min_p`` and ``all_greedy`` switch whole stages off;
     ``max_top_k`` bounds every row's top_k (0: no row uses top-k); ``num_top_logprobs`` is how
     many alternatives to return per row.
@@ -53,6 +55,8 @@ class SamplingBatch:
     output_tokens: jax.Array
     prompt_tokens: jax.Array
     banned: jax.Array
+    bias_tokens: jax.Array
+    bias_values: jax.Array
     penalties: bool = flax.struct.field(pytree_node=False, default=False)
     top_p_or_min_p: bool = flax.struct.field(pytree_node=False, default=False)
     max_top_k: int = flax.struct.field(pytree_node=False, default=0)
@@ -76,6 +80,13 @@ def _token_mask(token_ids, vocab_size):
     rows = jnp.arange(token_ids.shape[0])[:, None]
     index = jnp.where(token_ids < 0, vocab_size, token_ids)
     return jnp.zeros((token_ids.shape[0], vocab_size), bool).at[rows, index].set(True, mode="drop")
+
+
+def apply_logit_bias(logits, batch: SamplingBatch):
+    """Add each row's biases to its listed tokens. logits: float32[rows, vocab]."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    index = jnp.where(batch.bias_tokens < 0, logits.shape[-1], batch.bias_tokens)
+    return logits.at[rows, index].add(batch.bias_values, mode="drop")
 
 
 def apply_penalties(logits, batch: SamplingBatch):
@@ -201,7 +212,8 @@ def sample(logits, batch: SamplingBatch) -> SamplerOutput:
     """logits: float32[rows, vocab], one row per row of ``batch`` (see :func:`pick_rows`).
     One token per row, with log-probabilities."""
     logits = logits.astype(jnp.float32)
-    processed = apply_penalties(logits, batch) if batch.penalties else logits
+    processed = apply_logit_bias(logits, batch) if batch.bias_tokens.shape[-1] else logits
+    processed = apply_penalties(processed, batch) if batch.penalties else processed
     processed = jnp.where(_token_mask(batch.banned, logits.shape[-1]), -jnp.inf, processed)
     tokens = argmax(processed)
     if not batch.all_greedy:

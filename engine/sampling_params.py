@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 
 _GREEDY_EPSILON = 1e-5
 
@@ -22,7 +23,10 @@ class SamplingParams:
     end a completion; the text leaves out the stop string, or the text of the stop token or
     EOS, unless include_stop_str_in_output. ignore_eos keeps going past EOS; min_tokens bans
     EOS and stop tokens, and ignores stop strings, until that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
-    per generated / prompt token (0 = just the chosen token's).
+    per generated / prompt token (0 = just the chosen token's). logit_bias: a mapping from
+    token id to a number added to that token's logit before anything else (OpenAI's and vLLM's
+    ``logit_bias``; -100 in effect bans a token, +100 forces it), stored as sorted
+    ``(token, bias)`` pairs; it changes what is sampled, not the log-probabilities reported.
     """
 
     n: int = 1
@@ -44,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,7 +59,10 @@ class SamplingParams:
             object.__setattr__(self, "best_of", self.n)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in bias))
         _check(self)
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +103,9 @@ def _check(p: SamplingParams) -> None:
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
         _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
+    _require(all(len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool) and pair[0] >= 0
+                 and _real(pair[1]) for pair in p.logit_bias), "logit_bias",
+             "a mapping from non-negative token ids to finite numbers", p.logit_bias)
     if p.greedy:
         _require(p.best_of == 1 or p.n == p.best_of, "best_of", "equal to n when temperature is 0 (greedy)",
                  p.best_of)

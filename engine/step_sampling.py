@@ -31,10 +31,10 @@ class Row:
     seq_id: int
 
 
-def _padded_tokens(token_lists, *, when: bool) -> np.ndarray:
-    """int32[rows, pow2(longest)] of token ids, -1 padded ([rows, 0] unless ``when``)."""
+def _padded_tokens(token_lists, *, when: bool, fill=-1, dtype=np.int32) -> np.ndarray:
+    """[rows, pow2(longest)] of token ids (or other values), ``fill`` padded ([rows, 0] unless ``when``)."""
     width = _pow2(max((len(t) for t in token_lists), default=1)) if when else 0
-    out = np.full((len(token_lists), width), -1, np.int32)
+    out = np.full((len(token_lists), width), fill, dtype)
     if when:
         for i, tokens in enumerate(token_lists):
             out[i, : len(tokens)] = tokens
@@ -59,6 +59,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
     prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
     banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
+    biases = [p.logit_bias for p in sampling] + [()] * pad
     top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
     top_k = max(top_ks, default=0)
     return SamplingBatch(
@@ -75,6 +76,9 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         output_tokens=_padded_tokens(outputs, when=penalties),
         prompt_tokens=_padded_tokens(prompts, when=penalties),
         banned=_padded_tokens(banned, when=any(banned)),
+        bias_tokens=_padded_tokens([[t for t, _ in b] for b in biases], when=any(biases)),
+        bias_values=_padded_tokens([[v for _, v in b] for b in biases], when=any(biases), fill=0.0,
+                                   dtype=np.float32),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
         max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,
@@ -106,7 +110,7 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
 
 def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
     """Compile the sampler for each row count in ``sizes``: the program of every step without
-    penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy (about
+    logit biases, penalties, banned tokens, top-k, top-p, min-p or logprobs, either all greedy (about
     0.15 s each) or with a temperature (vLLM's and OpenAI's default; about 0.6 s each).
 
     The engine compiles the greedy ones at start-up, and the others when it has nothing to do

@@ -171,7 +171,8 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
         presence_penalty=jnp.asarray([0.5, 0.0]), frequency_penalty=jnp.asarray([0.25, 1.0]),
         repetition_penalty=jnp.asarray([1.3, 0.8]), seed=jnp.zeros(2, jnp.uint32),
         sample_index=jnp.zeros(2, jnp.int32), step=jnp.zeros(2, jnp.int32), output_tokens=jnp.asarray(output),
-        prompt_tokens=jnp.asarray(prompt), banned=jnp.zeros((2, 0), jnp.int32), penalties=True)
+        prompt_tokens=jnp.asarray(prompt), banned=jnp.zeros((2, 0), jnp.int32),
+        bias_tokens=jnp.zeros((2, 0), jnp.int32), bias_values=jnp.zeros((2, 0)), penalties=True)
     ours = np.asarray(apply_penalties(jnp.asarray(logits), batch))
     for row, (penalty, presence, frequency) in enumerate([(1.3, 0.5, 0.25), (0.8, 0.0, 1.0)]):
         seen = [t for t in list(prompt[row]) + list(output[row]) if t >= 0]
@@ -190,6 +191,8 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
     ("logprobs", 50, "logprobs must be None or in"),
     ("top_p", "a", r"top_p must be in \(0, 1\], got 'a'"),
     ("temperature", None, "temperature must be a number >= 0, got None"),
+    ("logit_bias", {-1: 1.0}, "logit_bias must be a mapping from non-negative token ids to finite numbers"),
+    ("logit_bias", {3: float("nan")}, "logit_bias must be a mapping"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -206,3 +209,49 @@ def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
     ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in best] == [c.token_ids for c in ranked]
     assert [c.index for c in best] == [0, 1]
+
+
+def test_logit_bias_matches_hugging_face_sequence_bias(llm_and_hf):
+    """Greedy with biases that change the output (each prompt's own first token banned, two
+    tokens pushed up) gives HF ``generate``'s tokens under the same ``sequence_bias``."""
+    llm, hf = llm_and_hf
+    batch = prompts(6, hf.config.vocab_size, seed=11)
+    plain = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for prompt, output in zip(batch, plain):
+        first = output.outputs[0].token_ids[0]
+        bias = {first: -100.0, 17: 2.5, 40: 1.5}
+        ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logit_bias=bias),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 sequence_bias={(t,): b for t, b in bias.items()},
+                                 pad_token_id=hf.config.eos_token_id)[0, len(prompt):].tolist()
+        assert list(ours) == theirs[: len(ours)] and ours[0] != first
+
+
+def test_logit_bias_bans_and_forces_tokens_only_in_its_own_request(llm_and_hf):
+    """At temperature 1: tokens biased by -100 never come up, a token biased by +100 always
+    does, and a seeded request batched with biased ones samples what it samples alone."""
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=12)[0]
+    unbiased = SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=4)
+    alone = llm.generate([prompt], unbiased, use_tqdm=False)[0]
+    common = sorted({t for c in alone.outputs for t in c.token_ids})
+    banned = SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=4, logit_bias={t: -100 for t in common})
+    forced = SamplingParams(temperature=1.0, max_tokens=6, seed=4, logit_bias={99: 100}, logprobs=0)
+    outputs = llm.generate([prompt] * 3, [banned, unbiased, forced], use_tqdm=False)
+    assert not {t for c in outputs[0].outputs for t in c.token_ids} & set(common)
+    assert [c.token_ids for c in outputs[1].outputs] == [c.token_ids for c in alone.outputs]
+    forced_output = outputs[2].outputs[0]
+    assert list(forced_output.token_ids) == [99] * 6
+    # Reported log-probabilities are the model's own, as in vLLM: the bias is not in them.
+    assert all(step[99] < -1.0 for step in forced_output.logprobs)
+
+
+def test_logit_bias_on_an_unknown_token_is_refused_and_holds_nothing(llm_and_hf):
+    llm, hf = llm_and_hf
+    vocab = hf.config.vocab_size
+    (output,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, logit_bias={vocab: 5.0}), use_tqdm=False)
+    assert "logit_bias token ids" in output.error and f"[0, {vocab})" in output.error
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total

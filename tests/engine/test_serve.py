@@ -98,6 +98,8 @@ def test_several_prompts_echo_and_logprobs(client):
     ("too_big_chunked", 413, "larger than"),
     ("bad_token_id", 400, "outside the vocabulary"),
     ("bad_token_id_streamed", 400, "outside the vocabulary"),
+    ("bad_logit_bias_token", 400, "logit_bias token ids [999999] are outside the vocabulary"),
+    ("logit_bias_key_not_a_token", 400, "logit_bias keys must be token ids"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -112,6 +114,8 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "too_big_chunked": dict(content=(b"x" * 2**20 for _ in range(5)), headers={"content-type": "application/json"}),
         "bad_token_id": dict(json={**body, "prompt": [999999]}),
         "bad_token_id_streamed": dict(json={**body, "prompt": [999999], "stream": True}),
+        "bad_logit_bias_token": dict(json={**body, "logit_bias": {"999999": 5}}),
+        "logit_bias_key_not_a_token": dict(json={**body, "logit_bias": {"blue": 5}}),
     }[case]
     response = http(url, "POST", path, **request)
     assert response.status_code == status
@@ -149,6 +153,23 @@ def test_chat_top_logprobs_has_as_many_entries_as_asked(client, top):
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0.8,
         seed=4, logprobs=True, **({} if top is None else {"top_logprobs": top}))
     assert [len(token.top_logprobs) for token in response.choices[0].logprobs.content] == [top or 0] * 8
+
+
+def test_logit_bias_forces_and_bans_tokens(url, client):
+    """OpenAI's ``logit_bias``: +100 makes a token every choice, -100 keeps it out, in
+    completions and chat, sampling and greedy."""
+    (blue,) = http(url, "POST", "/tokenize", json={"prompt": " blue"}).json()["tokens"]
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, logit_bias={str(blue): 100},
+                                       seed=0)
+    assert forced.choices[0].text == " blue" * 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                          max_tokens=3, temperature=0, logit_bias={str(blue): 100})
+    assert chat.choices[0].message.content.strip() == "blue blue blue"
+    greedy = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=0)
+    first = http(url, "POST", "/tokenize", json={"prompt": greedy.choices[0].text, "add_special_tokens": False})
+    banned = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0,
+                                       logit_bias={str(t): -100 for t in first.json()["tokens"]})
+    assert banned.choices[0].text != greedy.choices[0].text
 
 
 def test_models_tokenize_detokenize_health(url):
