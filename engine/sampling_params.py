@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+
+import numpy as np
 
 _GREEDY_EPSILON = 1e-5
 
@@ -59,10 +62,15 @@ class SamplingParams:
             object.__setattr__(self, "best_of", self.n)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
-        object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in bias))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(self)
-        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+
+    @functools.cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``logit_bias`` as (int32 token ids, float32 biases), built once per request rather
+        than at every step of it."""
+        tokens, values = zip(*self.logit_bias) if self.logit_bias else ((), ())
+        return np.array(tokens, np.int32), np.array(values, np.float32)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +85,24 @@ def _require(ok: bool, field: str, allowed: str, value, owner: str = "SamplingPa
 
 def _real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_MAX_BIAS = 1e9  # beyond this, a bias divided by a small temperature could overflow float32
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping, or pairs; later pairs win) → sorted (token id, bias) pairs."""
+    items = bias.items() if isinstance(bias, Mapping) else bias or ()
+    allowed = f"a mapping from non-negative token ids to numbers in [-{_MAX_BIAS:g}, {_MAX_BIAS:g}]"
+    _require(isinstance(items, Iterable) and not isinstance(items, (str, bytes)), "logit_bias", allowed, bias)
+    out = {}
+    for pair in items:
+        ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+        token, value = pair if ok else (None, None)
+        ok = ok and isinstance(token, numbers.Integral) and not isinstance(token, bool) and token >= 0
+        _require(ok and _real(value) and abs(value) <= _MAX_BIAS, "logit_bias", allowed, pair)
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check(p: SamplingParams) -> None:
@@ -103,9 +129,6 @@ def _check(p: SamplingParams) -> None:
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
         _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
-    _require(all(len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool) and pair[0] >= 0
-                 and _real(pair[1]) for pair in p.logit_bias), "logit_bias",
-             "a mapping from non-negative token ids to finite numbers", p.logit_bias)
     if p.greedy:
         _require(p.best_of == 1 or p.n == p.best_of, "best_of", "equal to n when temperature is 0 (greedy)",
                  p.best_of)

@@ -18,6 +18,11 @@ from engine.sampler import SamplingBatch, SamplerOutput, pick_rows, sample
 from engine.sampling_params import SamplingParams
 
 
+# Biases of up to this many tokens share one sampler program per row count.
+_MIN_BIAS_WIDTH = 16
+_NONE = np.zeros(0)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -31,9 +36,10 @@ class Row:
     seq_id: int
 
 
-def _padded_tokens(token_lists, *, when: bool, fill=-1, dtype=np.int32) -> np.ndarray:
-    """[rows, pow2(longest)] of token ids (or other values), ``fill`` padded ([rows, 0] unless ``when``)."""
-    width = _pow2(max((len(t) for t in token_lists), default=1)) if when else 0
+def _padded_tokens(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1) -> np.ndarray:
+    """[rows, max(min_width, pow2(longest))] of token ids (or other values), ``fill`` padded
+    ([rows, 0] unless ``when``)."""
+    width = max(min_width, _pow2(max((len(t) for t in token_lists), default=1))) if when else 0
     out = np.full((len(token_lists), width), fill, dtype)
     if when:
         for i, tokens in enumerate(token_lists):
@@ -59,7 +65,8 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
     prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
     banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
-    biases = [p.logit_bias for p in sampling] + [()] * pad
+    biases = [p.logit_bias_arrays for p in sampling] + [(_NONE, _NONE)] * pad
+    biased = any(len(tokens) for tokens, _ in biases)
     top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
     top_k = max(top_ks, default=0)
     return SamplingBatch(
@@ -76,9 +83,9 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         output_tokens=_padded_tokens(outputs, when=penalties),
         prompt_tokens=_padded_tokens(prompts, when=penalties),
         banned=_padded_tokens(banned, when=any(banned)),
-        bias_tokens=_padded_tokens([[t for t, _ in b] for b in biases], when=any(biases)),
-        bias_values=_padded_tokens([[v for _, v in b] for b in biases], when=any(biases), fill=0.0,
-                                   dtype=np.float32),
+        bias_tokens=_padded_tokens([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
+        bias_values=_padded_tokens([values for _, values in biases], when=biased, fill=0.0, dtype=np.float32,
+                                   min_width=_MIN_BIAS_WIDTH),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
         max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,

@@ -191,8 +191,10 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
     ("logprobs", 50, "logprobs must be None or in"),
     ("top_p", "a", r"top_p must be in \(0, 1\], got 'a'"),
     ("temperature", None, "temperature must be a number >= 0, got None"),
-    ("logit_bias", {-1: 1.0}, "logit_bias must be a mapping from non-negative token ids to finite numbers"),
+    ("logit_bias", {-1: 1.0}, r"logit_bias must be a mapping from non-negative token ids to numbers in \[-1e\+09"),
     ("logit_bias", {3: float("nan")}, "logit_bias must be a mapping"),
+    ("logit_bias", {3: 1e39}, r"logit_bias must be .*, got \(3, 1e\+39\)"),
+    ("logit_bias", 5, "logit_bias must be a mapping"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
