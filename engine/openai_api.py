@@ -91,7 +91,8 @@ class OpenAIServing:
             raise RequestError("best_of cannot be larger than n when streaming")
         plans = []
         for ids in prompts:
-            params = self._params(request, max_tokens=self._max_tokens(len(ids), request.max_tokens),
+            max_tokens = 1 if request.echo_only else request.max_tokens  # the one token is not shown
+            params = self._params(request, max_tokens=self._max_tokens(len(ids), max_tokens),
                                   logprobs=request.logprobs, best_of=request.best_of)
             if request.echo and request.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
@@ -100,7 +101,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         model, plans = self.plan_completion(request)
-        finals = await self._finals(plans, "cmpl")
+        finals = [_shown(output, request) for output in await self._finals(plans, "cmpl")]
         choices = []
         for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
             for c in output.outputs:
@@ -125,6 +126,7 @@ class OpenAIServing:
         finals = {}
 
         async for prompt_index, output in self._merged(plans, "cmpl"):
+            output = _shown(output, request)
             for c in output.outputs:
                 key = (prompt_index, c.index)
                 first = key not in sent
@@ -156,6 +158,7 @@ class OpenAIServing:
             raise RequestError("this model has no chat template; use /v1/completions")
         messages = [m.as_template_input() for m in request.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                 continue_final_message=request.continue_final_message,
                                                  tokenize=True, return_dict=False)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
@@ -254,11 +257,12 @@ class OpenAIServing:
     def _with_prompt(self, c: CompletionOutput, prompt_ids, output: RequestOutput) -> CompletionOutput:
         """``c`` with the prompt's tokens and their log-probabilities first (echo with logprobs)."""
         return dataclasses.replace(c, token_ids=tuple(prompt_ids) + c.token_ids,
-                                   logprobs=tuple(p or {} for p in output.prompt_logprobs) + (c.logprobs or ()))
+                                   logprobs=tuple(output.prompt_logprobs) + (c.logprobs or ()))
 
     def _completion_logprobs(self, c: CompletionOutput, first_offset: int = 0) -> dict:
         """The legacy ``logprobs`` object; ``text_offset`` counts from ``first_offset`` (the text
-        already sent, when streaming)."""
+        already sent, when streaming). A step without log-probabilities (the first prompt token,
+        which has no context) gets null ones, as in OpenAI's and vLLM's answers."""
         tokens = [self._token_text(t) for t in c.token_ids]
         offsets, position = [], first_offset
         for text in tokens:
@@ -266,8 +270,9 @@ class OpenAIServing:
             position += len(text)
         steps = c.logprobs or [{} for _ in c.token_ids]
         return {"tokens": tokens,
-                "token_logprobs": [step.get(t) for step, t in zip(steps, c.token_ids)],
-                "top_logprobs": [{self._token_text(k): v for k, v in step.items()} for step in steps],
+                "token_logprobs": [None if step is None else step.get(t) for step, t in zip(steps, c.token_ids)],
+                "top_logprobs": [None if step is None else {self._token_text(k): v for k, v in step.items()}
+                                 for step in steps],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput, num_top: int | None) -> dict:
@@ -301,6 +306,17 @@ class _Sent:
 
     def advance(self, c: CompletionOutput) -> None:
         self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+
+
+def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:
+    """What a completion shows of ``output``: all of it, or for ``echo_only`` nothing generated
+    (the engine still generates one token, which nobody sees or is billed for)."""
+    if not request.echo_only:
+        return output
+    empty = [dataclasses.replace(c, text="", token_ids=(), cumulative_logprob=0.0, stop_reason=None,
+                                 logprobs=None if c.logprobs is None else (),
+                                 finish_reason=c.finish_reason and "length") for c in output.outputs]
+    return dataclasses.replace(output, outputs=tuple(empty))
 
 
 def error_body(message: str, status: int, kind: str) -> dict:

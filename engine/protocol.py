@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -15,9 +15,24 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI's server does."""
+    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI's server does.
+    A field sent as ``null`` takes its default (OpenAI's clients may send every optional field),
+    except ``max_tokens``, where null means "up to the context", as in vLLM."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key == "max_tokens"}
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
 
     model: str | None = None
     max_tokens: int | None = None
@@ -76,6 +91,19 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     max_tokens: int | None = 16
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _no_suffix(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported (this server does not fill in the middle)")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (and its log-probabilities) and nothing
+        generated, how evaluation harnesses score a text; as in OpenAI's legacy API and vLLM."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -90,10 +118,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
+    @model_validator(mode="after")
+    def _text_parts_only(self):
+        kinds = {part.get("type") for part in self.content} - {"text"} if isinstance(self.content, list) else set()
+        if kinds:
+            raise ValueError(f"content parts of type {sorted(map(str, kinds))} are not supported: this model reads "
+                             "text only")
+        return self
+
     def as_template_input(self) -> dict:
         content = self.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        if isinstance(content, list):  # OpenAI content parts, joined by newlines as vLLM does
+            content = "\n".join(part.get("text", "") for part in content)
         return {"role": self.role, "content": content or ""}
 
 
@@ -105,6 +141,27 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        """Refuse what this server would otherwise ignore and so answer wrongly."""
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        if self.echo:
+            raise ValueError("echo is not supported for chat; use /v1/completions with echo")
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (no guided "
+                             "decoding); leave it out or use 'text'")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported; leave tools out or set tool_choice to 'none'")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

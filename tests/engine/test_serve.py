@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +101,17 @@ def test_several_prompts_echo_and_logprobs(client):
     ("bad_token_id_streamed", 400, "outside the vocabulary"),
     ("bad_logit_bias_token", 400, "logit_bias token ids [999999] are outside the vocabulary"),
     ("logit_bias_key_not_a_token", 400, "logit_bias keys must be token ids"),
+    ("suffix", 400, "suffix is not supported"),
+    ("stream_options_without_stream", 400, "stream_options can only be set when stream is true"),
+    ("image_part", 400, "content parts of type ['image_url'] are not supported"),
+    ("json_mode", 400, "response_format 'json_object' is not supported"),
+    ("tools", 400, "tool calling is not supported"),
+    ("top_logprobs_without_logprobs", 400, "top_logprobs needs logprobs"),
+    ("chat_echo", 400, "echo is not supported for chat"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     request = {
         "bad_param": dict(json={**body, "temperature": -1}),
         "malformed_json": dict(content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
@@ -116,8 +125,16 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "bad_token_id_streamed": dict(json={**body, "prompt": [999999], "stream": True}),
         "bad_logit_bias_token": dict(json={**body, "logit_bias": {"999999": 5}}),
         "logit_bias_key_not_a_token": dict(json={**body, "logit_bias": {"blue": 5}}),
+        "suffix": dict(json={**body, "suffix": " and so on."}),
+        "stream_options_without_stream": dict(json={**body, "stream_options": {"include_usage": True}}),
+        "image_part": dict(path=CHAT, json={**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        "json_mode": dict(path=CHAT, json={**chat, "response_format": {"type": "json_object"}}),
+        "tools": dict(path=CHAT, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        "top_logprobs_without_logprobs": dict(path=CHAT, json={**chat, "top_logprobs": 2}),
+        "chat_echo": dict(path=CHAT, json={**chat, "echo": True}),
     }[case]
-    response = http(url, "POST", path, **request)
+    response = http(url, "POST", request.pop("path", path), **request)
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"] and error["code"] == status and error["type"]
@@ -170,6 +187,47 @@ def test_logit_bias_forces_and_bans_tokens(url, client):
     banned = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0,
                                        logit_bias={str(t): -100 for t in first.json()["tokens"]})
     assert banned.choices[0].text != greedy.choices[0].text
+
+
+def test_echo_without_generation_scores_the_prompt(client):
+    """echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its
+    log-probabilities, the same as when one token follows, and nothing generated or billed."""
+    kwargs = dict(model=MODEL, prompt="The capital of France is Paris", echo=True, logprobs=1, temperature=0)
+    scored = client.completions.create(max_tokens=0, **kwargs)
+    one_more = client.completions.create(max_tokens=1, **kwargs).choices[0].logprobs
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == "The capital of France is Paris" == "".join(logprobs.tokens)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs == one_more.token_logprobs[:-1]
+    assert scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    streamed = list(client.completions.create(max_tokens=0, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "length"
+
+
+def test_null_fields_take_their_defaults_and_text_parts_join_by_newlines(url):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": None, "presence_penalty": None,
+            "frequency_penalty": None, "stream": None, "echo": None, "min_p": None, "repetition_penalty": None}
+    response = http(url, "POST", "/v1/completions", json=body)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
+    chat = {"model": MODEL, "max_tokens": 2, "logprobs": None, "n": None,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a"},
+                                                      {"type": "text", "text": "colour."}]}]}
+    assert http(url, "POST", CHAT, json=chat).status_code == 200
+    tokens = http(url, "POST", "/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    assert "Name a\ncolour." in http(url, "POST", "/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(client):
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    closed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"add_generation_prompt": False})
+    open_turn = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                               extra_body={"add_generation_prompt": False,
+                                                           "continue_final_message": True})
+    # Without the end-of-turn token and newline that close the assistant's message.
+    assert open_turn.usage.prompt_tokens == closed.usage.prompt_tokens - 2
+    assert "three" in open_turn.choices[0].message.content.lower()
 
 
 def test_models_tokenize_detokenize_health(url):
