@@ -8,6 +8,7 @@ from engine.async_engine import EngineSnapshot
 from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class Metrics:
@@ -23,8 +24,8 @@ class Metrics:
         def counter(name, doc):
             return prom.Counter(name, doc, labels, registry=self.registry).labels(**labels)
 
-        def histogram(name, doc):
-            return prom.Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return prom.Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**labels)
 
         self.running = gauge("vllm:num_requests_running", "Requests being computed.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.")
@@ -37,6 +38,14 @@ class Metrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.")
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Tokens generated per finished request (all its choices).",
+                                                   _TOKEN_BUCKETS)
+        self._success = prom.Counter("vllm:request_success", "Finished choices, by why they finished.",
+                                     [*labels, "finished_reason"], registry=self.registry)
+        self._labels = labels
         self._seen = {"preemptions": 0, "prompt": 0, "generation": 0, "prefix_hits": 0}
 
     def refresh(self, snapshot: EngineSnapshot) -> None:
@@ -54,7 +63,13 @@ class Metrics:
             self._seen[key] = max(value, self._seen[key])
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Latency histograms of a finished request."""
+        """Latency and size histograms of a finished request, and its choices' finish reasons."""
+        for choice in output.outputs:
+            if choice.finish_reason is not None:
+                self._success.labels(**self._labels, finished_reason=choice.finish_reason).inc()
+        if output.error is None:
+            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+            self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
         metrics = output.metrics
         if metrics is None or metrics.first_token_time is None or metrics.finished_time is None:
             return

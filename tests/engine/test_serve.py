@@ -230,6 +230,19 @@ def test_continue_final_message_leaves_the_assistant_turn_open(client):
     assert "three" in open_turn.choices[0].message.content.lower()
 
 
+def test_metrics_count_finished_requests_by_reason_and_size(url, client):
+    def sample(name):
+        lines = http(url, "GET", "/metrics").text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+    before = {name: sample(name) for name in ('vllm:request_success_total{finished_reason="length"',
+                                              "vllm:request_generation_tokens_sum", "vllm:request_prompt_tokens_count")}
+    response = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, n=2, seed=1)
+    assert response.usage.completion_tokens == 6
+    after = {name: sample(name) for name in before}
+    assert [after[name] - before[name] for name in before] == [2, 6, 1]
+
+
 def test_models_tokenize_detokenize_health(url):
     assert http(url, "GET", "/health").status_code == 200
     assert http(url, "GET", "/v1/models").json()["data"][0]["id"] == MODEL
