@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import decode_after
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import text_content
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import InvalidRequestError
 
@@ -97,6 +98,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        conversation = [{**message, "content": text_content(message.get("content"))} for message in conversation]
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

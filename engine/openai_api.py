@@ -11,6 +11,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
+
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ChatRequest, CompletionRequest
@@ -157,9 +159,12 @@ class OpenAIServing:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions")
         messages = [m.as_template_input() for m in request.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                 continue_final_message=request.continue_final_message,
-                                                 tokenize=True, return_dict=False)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                     continue_final_message=request.continue_final_message,
+                                                     tokenize=True, return_dict=False)
+        except (ValueError, jinja2.TemplateError) as error:  # the template refuses these messages
+            raise RequestError(f"the chat template cannot render these messages: {error}") from None
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
                               logprobs=logprobs)

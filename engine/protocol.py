@@ -94,9 +94,11 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _no_suffix(self):
+    def _supported(self):
         if self.suffix:
             raise ValueError("suffix is not supported (this server does not fill in the middle)")
+        if self.echo_only and self.min_tokens:
+            raise ValueError("min_tokens must be 0 when echo asks for max_tokens 0 (nothing is generated)")
         return self
 
     @property
@@ -120,17 +122,33 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _text_parts_only(self):
-        kinds = {part.get("type") for part in self.content} - {"text"} if isinstance(self.content, list) else set()
-        if kinds:
-            raise ValueError(f"content parts of type {sorted(map(str, kinds))} are not supported: this model reads "
-                             "text only")
+        text_content(self.content)
         return self
 
     def as_template_input(self) -> dict:
-        content = self.content
-        if isinstance(content, list):  # OpenAI content parts, joined by newlines as vLLM does
-            content = "\n".join(part.get("text", "") for part in content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": self.role, "content": text_content(self.content)}
+
+
+# Content part types this model can read, and the key that holds each one's text.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def text_content(content) -> str:
+    """A message's content (a string, None, or OpenAI content parts) → the text its chat
+    template gets: text parts (and an assistant's refusal parts) joined by newlines, as vLLM
+    joins them. Raises ValueError for any other part (images, audio): this model reads text."""
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only")
+        text = part.get(_TEXT_PARTS[kind])
+        if not isinstance(text, str):
+            raise ValueError(f"a {kind!r} content part needs a string {_TEXT_PARTS[kind]!r}, got {text!r}")
+        texts.append(text)
+    return "\n".join(texts)
 
 
 class ChatRequest(_Sampling):
@@ -156,10 +174,11 @@ class ChatRequest(_Sampling):
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
         if self.echo:
             raise ValueError("echo is not supported for chat; use /v1/completions with echo")
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (no guided "
-                             "decoding); leave it out or use 'text'")
-        if self.tools and self.tool_choice != "none":
+        kind = (self.response_format or {}).get("type") or "text"
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported (no guided decoding); leave it out or "
+                             "use 'text'")
+        if (self.tools and self.tool_choice != "none") or self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool calling is not supported; leave tools out or set tool_choice to 'none'")
         return self
 

@@ -22,6 +22,15 @@ def test_chat_answers_through_the_template(llm):
     assert "<|im_end|>" not in out.outputs[0].text
 
 
+def test_chat_reads_openai_text_parts_joined_by_newlines(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt(joined)
+    with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):
+        llm.chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_text_equals_decoding_the_tokens(llm):
     tokenizer = llm.get_tokenizer()
     outs = llm.generate(["Write a haiku about the sea.", "日本の首都は"], SamplingParams(temperature=0, max_tokens=30),

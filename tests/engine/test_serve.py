@@ -103,7 +103,10 @@ def test_several_prompts_echo_and_logprobs(client):
     ("logit_bias_key_not_a_token", 400, "logit_bias keys must be token ids"),
     ("suffix", 400, "suffix is not supported"),
     ("stream_options_without_stream", 400, "stream_options can only be set when stream is true"),
-    ("image_part", 400, "content parts of type ['image_url'] are not supported"),
+    ("image_part", 400, "content parts of type 'image_url' are not supported"),
+    ("text_part_without_text", 400, "a 'text' content part needs a string 'text', got None"),
+    ("forced_tool_call", 400, "tool calling is not supported"),
+    ("echo_only_with_min_tokens", 400, "min_tokens must be 0 when echo asks for max_tokens 0"),
     ("json_mode", 400, "response_format 'json_object' is not supported"),
     ("tools", 400, "tool calling is not supported"),
     ("top_logprobs_without_logprobs", 400, "top_logprobs needs logprobs"),
@@ -129,6 +132,10 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "stream_options_without_stream": dict(json={**body, "stream_options": {"include_usage": True}}),
         "image_part": dict(path=CHAT, json={**chat, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        "text_part_without_text": dict(path=CHAT, json={**chat, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": None}]}]}),
+        "forced_tool_call": dict(path=CHAT, json={**chat, "tool_choice": "required"}),
+        "echo_only_with_min_tokens": dict(json={**body, "echo": True, "max_tokens": 0, "min_tokens": 2}),
         "json_mode": dict(path=CHAT, json={**chat, "response_format": {"type": "json_object"}}),
         "tools": dict(path=CHAT, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
         "top_logprobs_without_logprobs": dict(path=CHAT, json={**chat, "top_logprobs": 2}),
