@@ -14,7 +14,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class Metrics:
     """Gauges read from the engine's latest snapshot; counters and histograms fed per request."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, block_size: int = 1):
         self.registry = prom.CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -34,7 +34,10 @@ class Metrics:
         self.preemptions = counter("vllm:num_preemptions", "Preemptions since start.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens computed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt blocks found in the prefix cache.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache (in whole blocks).")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.block_size = block_size
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.")
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
@@ -46,7 +49,7 @@ class Metrics:
         self._success = prom.Counter("vllm:request_success", "Finished choices, by why they finished.",
                                      [*labels, "finished_reason"], registry=self.registry)
         self._labels = labels
-        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0, "prefix_hits": 0}
+        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0, "prefix_queries": 0, "prefix_hits": 0}
 
     def refresh(self, snapshot: EngineSnapshot) -> None:
         """Bring gauges and counters up to the engine's latest snapshot."""
@@ -58,7 +61,10 @@ class Metrics:
         for key, counter, value in [("preemptions", self.preemptions, stats.num_preemptions),
                                     ("prompt", self.prompt_tokens, snapshot.prompt_tokens),
                                     ("generation", self.generation_tokens, snapshot.generation_tokens),
-                                    ("prefix_hits", self.prefix_cache_hits, stats.blocks.prefix_cache_hits)]:
+                                    ("prefix_queries", self.prefix_cache_queries,
+                                     stats.blocks.prefix_cache_queries * self.block_size),
+                                    ("prefix_hits", self.prefix_cache_hits,
+                                     stats.blocks.prefix_cache_hits * self.block_size)]:
             counter.inc(max(0, value - self._seen[key]))
             self._seen[key] = max(value, self._seen[key])
 

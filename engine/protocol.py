@@ -193,6 +193,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # with messages, as in a chat request
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -64,7 +64,7 @@ class BodyLimit:
 def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_names`` (the first is the default)."""
-    metrics = Metrics(model_names[0])
+    metrics = Metrics(model_names[0], block_size=engine.engine.cache.spec.block_size)
     serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished)
     app = FastAPI(title="pallas-paged", docs_url=None, redoc_url=None)
 
@@ -123,8 +123,9 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
             tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             tokens = list(serving.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
-                                                                add_generation_prompt=True, tokenize=True,
-                                                                return_dict=False))
+                                                                add_generation_prompt=body.add_generation_prompt,
+                                                                continue_final_message=body.continue_final_message,
+                                                                tokenize=True, return_dict=False))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])

@@ -225,7 +225,7 @@ def test_null_fields_take_their_defaults_and_text_parts_join_by_newlines(url):
     assert "Name a\ncolour." in http(url, "POST", "/detokenize", json={"tokens": tokens}).json()["prompt"]
 
 
-def test_continue_final_message_leaves_the_assistant_turn_open(client):
+def test_continue_final_message_leaves_the_assistant_turn_open(url, client):
     messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
     closed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                             extra_body={"add_generation_prompt": False})
@@ -234,6 +234,9 @@ def test_continue_final_message_leaves_the_assistant_turn_open(client):
                                                            "continue_final_message": True})
     # Without the end-of-turn token and newline that close the assistant's message.
     assert open_turn.usage.prompt_tokens == closed.usage.prompt_tokens - 2
+    tokenized = http(url, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                      "continue_final_message": True}).json()
+    assert tokenized["count"] == open_turn.usage.prompt_tokens
     assert "three" in open_turn.choices[0].message.content.lower()
 
 
@@ -291,3 +294,17 @@ def test_load_with_cancellations_leaves_nothing_running(url):
     assert values["vllm:num_requests_waiting"] == 0
     assert values["vllm:kv_cache_usage_perc"] == 0
     assert values["vllm:generation_tokens_total"] > 0
+
+
+def test_prefix_cache_metrics_count_tokens_as_vllm_does():
+    """With prefix caching, a repeated prompt's cached blocks show up as tokens (vLLM's unit)."""
+    with running_server(*SERVER_ARGS, "--enable-prefix-caching") as base:
+        prompt = "word " * 100  # 101 tokens: six whole 16-token blocks
+        for _ in range(2):
+            assert httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                              timeout=60).status_code == 200
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in httpx.get(base + "/metrics").text.splitlines()
+                  if line.startswith("vllm:prefix_cache") and "{" in line}
+    assert values["vllm:prefix_cache_hits_total"] == 96
+    assert values["vllm:prefix_cache_queries_total"] == 192
