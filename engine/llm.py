@@ -87,8 +87,9 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
-        list of them, through the tokenizer's chat template."""
+        """Generate replies to one conversation (a list of {"role", "content"} dicts; content a
+        string or OpenAI text parts, joined by newlines) or to a list of them, through the
+        tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(conversation, add_generation_prompt) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -14,7 +14,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class Metrics:
     """Gauges read from the engine's latest snapshot; counters and histograms fed per request."""
 
-    def __init__(self, model_name: str, block_size: int = 1):
+    def __init__(self, model_name: str, block_size: int):
         self.registry = prom.CollectorRegistry()
         labels = {"model_name": model_name}
 

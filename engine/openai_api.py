@@ -93,6 +93,8 @@ class OpenAIServing:
             raise RequestError("best_of cannot be larger than n when streaming")
         plans = []
         for ids in prompts:
+            if request.max_tokens == 0 and not request.echo:
+                raise RequestError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
             max_tokens = 1 if request.echo_only else request.max_tokens  # the one token is not shown
             params = self._params(request, max_tokens=self._max_tokens(len(ids), max_tokens),
                                   logprobs=request.logprobs, best_of=request.best_of)
@@ -154,17 +156,22 @@ class OpenAIServing:
 
     # -- chat -------------------------------------------------------------------------------
 
-    def plan_chat(self, request: ChatRequest):
-        model = self.check_model(request.model)
+    def chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        """Token ids of ``messages`` through the chat template (for chat requests and /tokenize)."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions")
-        messages = [m.as_template_input() for m in request.messages]
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message needs add_generation_prompt set to false")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                     continue_final_message=request.continue_final_message,
-                                                     tokenize=True, return_dict=False)
+            return list(self.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=False))
         except (ValueError, jinja2.TemplateError) as error:  # the template refuses these messages
             raise RequestError(f"the chat template cannot render these messages: {error}") from None
+
+    def plan_chat(self, request: ChatRequest):
+        model = self.check_model(request.model)
+        ids = self.chat_ids(request.messages, request.add_generation_prompt, request.continue_final_message)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
                               logprobs=logprobs)

@@ -14,10 +14,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI's server does.
-    A field sent as ``null`` takes its default (OpenAI's clients may send every optional field),
-    except ``max_tokens``, where null means "up to the context", as in vLLM."""
+class _Request(BaseModel):
+    """A request body: unknown fields are ignored, as OpenAI's server does, and a field sent as
+    ``null`` takes its default (OpenAI's clients may send every optional field), except
+    ``max_tokens``, where null means "up to the context", as in vLLM."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -27,6 +27,10 @@ class _Sampling(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None or key == "max_tokens"}
         return data
+
+
+class _Sampling(_Request):
+    """Fields shared by completions and chat."""
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -135,8 +139,8 @@ _TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 def text_content(content) -> str:
     """A message's content (a string, None, or OpenAI content parts) → the text its chat
-    template gets: text parts (and an assistant's refusal parts) joined by newlines, as vLLM
-    joins them. Raises ValueError for any other part (images, audio): this model reads text."""
+    template gets: text parts (and refusal parts, which OpenAI sends in assistant turns) joined
+    by newlines, as vLLM joins them. Raises ValueError for any other part (images, audio): this model reads text."""
     if not isinstance(content, list):
         return content or ""
     texts = []
@@ -170,8 +174,6 @@ class ChatRequest(_Sampling):
         """Refuse what this server would otherwise ignore and so answer wrongly."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt set to false")
         if self.echo:
             raise ValueError("echo is not supported for chat; use /v1/completions with echo")
         kind = (self.response_format or {}).get("type") or "text"
@@ -186,9 +188,7 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -197,8 +197,6 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

@@ -122,10 +122,7 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
         if body.prompt is not None:
             tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            tokens = list(serving.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
-                                                                add_generation_prompt=body.add_generation_prompt,
-                                                                continue_final_message=body.continue_final_message,
-                                                                tokenize=True, return_dict=False))
+            tokens = serving.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])

@@ -20,7 +20,8 @@ from engine.sampling_params import SamplingParams
 
 # Biases of up to this many tokens share one sampler program per row count.
 _MIN_BIAS_WIDTH = 16
-_NONE = np.zeros(0)
+# A padding row's (empty) bias arrays.
+_NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
 def _pow2(n: int) -> int:
@@ -36,7 +37,7 @@ class Row:
     seq_id: int
 
 
-def _padded_tokens(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1) -> np.ndarray:
+def _padded(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1) -> np.ndarray:
     """[rows, max(min_width, pow2(longest))] of token ids (or other values), ``fill`` padded
     ([rows, 0] unless ``when``)."""
     width = max(min_width, _pow2(max((len(t) for t in token_lists), default=1))) if when else 0
@@ -65,7 +66,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     outputs = [row.request.generated(row.seq_id) for row in rows] + [[]] * pad
     prompts = [row.request.prompt_token_ids for row in rows] + [()] * pad
     banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
-    biases = [p.logit_bias_arrays for p in sampling] + [(_NONE, _NONE)] * pad
+    biases = [p.logit_bias_arrays for p in sampling] + [_NO_BIAS] * pad
     biased = any(len(tokens) for tokens, _ in biases)
     top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
     top_k = max(top_ks, default=0)
@@ -80,11 +81,11 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         seed=column((row.request.seed for row in rows), np.uint32, 0),
         sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
         step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
-        output_tokens=_padded_tokens(outputs, when=penalties),
-        prompt_tokens=_padded_tokens(prompts, when=penalties),
-        banned=_padded_tokens(banned, when=any(banned)),
-        bias_tokens=_padded_tokens([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
-        bias_values=_padded_tokens([values for _, values in biases], when=biased, fill=0.0, dtype=np.float32,
+        output_tokens=_padded(outputs, when=penalties),
+        prompt_tokens=_padded(prompts, when=penalties),
+        banned=_padded(banned, when=any(banned)),
+        bias_tokens=_padded([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
+        bias_values=_padded([values for _, values in biases], when=biased, fill=0.0, dtype=np.float32,
                                    min_width=_MIN_BIAS_WIDTH),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),

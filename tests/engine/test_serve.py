@@ -111,6 +111,9 @@ def test_several_prompts_echo_and_logprobs(client):
     ("tools", 400, "tool calling is not supported"),
     ("top_logprobs_without_logprobs", 400, "top_logprobs needs logprobs"),
     ("chat_echo", 400, "echo is not supported for chat"),
+    ("continue_with_generation_prompt", 400, "continue_final_message needs add_generation_prompt set to false"),
+    ("tokenize_continue_with_generation_prompt", 400, "continue_final_message needs add_generation_prompt"),
+    ("max_tokens_zero_without_echo", 400, "0 is allowed only with echo"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -140,6 +143,10 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "tools": dict(path=CHAT, json={**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
         "top_logprobs_without_logprobs": dict(path=CHAT, json={**chat, "top_logprobs": 2}),
         "chat_echo": dict(path=CHAT, json={**chat, "echo": True}),
+        "continue_with_generation_prompt": dict(path=CHAT, json={**chat, "continue_final_message": True}),
+        "tokenize_continue_with_generation_prompt": dict(path="/tokenize", json={
+            "messages": chat["messages"], "continue_final_message": True}),
+        "max_tokens_zero_without_echo": dict(json={**body, "max_tokens": 0}),
     }[case]
     response = http(url, "POST", request.pop("path", path), **request)
     assert response.status_code == status
@@ -221,7 +228,8 @@ def test_null_fields_take_their_defaults_and_text_parts_join_by_newlines(url):
             "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a"},
                                                       {"type": "text", "text": "colour."}]}]}
     assert http(url, "POST", CHAT, json=chat).status_code == 200
-    tokens = http(url, "POST", "/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    tokens = http(url, "POST", "/tokenize", json={"messages": chat["messages"], "add_special_tokens": None,
+                                                   "add_generation_prompt": None}).json()["tokens"]
     assert "Name a\ncolour." in http(url, "POST", "/detokenize", json={"tokens": tokens}).json()["prompt"]
 
 
