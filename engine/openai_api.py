@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -105,7 +106,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         model, plans = self.plan_completion(request)
-        finals = [_shown(output, request) for output in await self._finals(plans, "cmpl")]
+        finals = await self._finals(plans, "cmpl", functools.partial(_shown, request=request))
         choices = []
         for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
             for c in output.outputs:
@@ -129,8 +130,7 @@ class OpenAIServing:
         sent: dict[tuple[int, int], _Sent] = {}
         finals = {}
 
-        async for prompt_index, output in self._merged(plans, "cmpl"):
-            output = _shown(output, request)
+        async for prompt_index, output in self._merged(plans, "cmpl", functools.partial(_shown, request=request)):
             for c in output.outputs:
                 key = (prompt_index, c.index)
                 first = key not in sent
@@ -217,14 +217,16 @@ class OpenAIServing:
 
     # -- running requests -------------------------------------------------------------------
 
-    async def _merged(self, plans, prefix: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every planned request as they come, tagged with the plan's index.
+    async def _merged(self, plans, prefix: str, shown=None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every planned request as they come, tagged with the plan's index, as
+        ``shown(output)`` presents them (to the client and to the metrics) if given.
         Closing this iterator aborts every request still running."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index, ids, params):
             try:
                 async for output in self.engine.generate(ids, params, _id(prefix)):
+                    output = shown(output) if shown is not None else output
                     await queue.put((index, output))
                     if output.finished:
                         self.on_finished(output)
@@ -251,9 +253,9 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _finals(self, plans, prefix: str) -> list[RequestOutput]:
+    async def _finals(self, plans, prefix: str, shown=None) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        async for index, output in self._merged(plans, prefix):
+        async for index, output in self._merged(plans, prefix, shown):
             if output.finished:
                 finals[index] = output
         return [finals[i] for i in range(len(plans))]
@@ -322,7 +324,8 @@ class _Sent:
 
 def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:
     """What a completion shows of ``output``: all of it, or for ``echo_only`` nothing generated
-    (the engine still generates one token, which nobody sees or is billed for)."""
+    (the engine still generates one token, which the client neither sees nor is billed for,
+    and which the per-request metrics leave out)."""
     if not request.echo_only:
         return output
     empty = [dataclasses.replace(c, text="", token_ids=(), cumulative_logprob=0.0, stop_reason=None,

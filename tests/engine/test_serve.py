@@ -259,6 +259,10 @@ def test_metrics_count_finished_requests_by_reason_and_size(url, client):
     assert response.usage.completion_tokens == 6
     after = {name: sample(name) for name in before}
     assert [after[name] - before[name] for name in before] == [2, 6, 1]
+    # A scored prompt (echo, max_tokens 0) generated nothing the client sees, and neither do the metrics.
+    client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=0)
+    scored = {name: sample(name) for name in before}
+    assert [scored[name] - after[name] for name in before] == [1, 0, 1]
 
 
 def test_models_tokenize_detokenize_health(url):
