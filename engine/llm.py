@@ -7,6 +7,8 @@ import itertools
 import numbers
 from collections.abc import Mapping, Sequence
 
+import jinja2
+
 from tqdm import tqdm
 
 from engine.config import EngineConfig
@@ -82,31 +84,42 @@ class LLM:
         ``error`` set and no outputs; the others are unaffected.
         """
         prompts = _as_list(prompts)
-        params = _params_for(prompts, sampling_params or SamplingParams())
+        params = _params_for(prompts, sampling_params or SamplingParams(), SamplingParams, "LLM.beam_search")
         return self._run([(prompt, p) for prompt, p in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts; content a
         string or OpenAI text parts, joined by newlines) or to a list of them, through the
-        tokenizer's chat template."""
+        tokenizer's chat template. ``continue_final_message`` leaves the last (assistant)
+        message open for the model to continue; it needs ``add_generation_prompt=False``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(conversation, add_generation_prompt) for conversation in conversations]
+        prompts = [self.chat_prompt(conversation, add_generation_prompt, continue_final_message)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, conversation, add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, conversation, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversation = [{**message, "content": text_content(message.get("content"))} for message in conversation]
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, tokenize=True)
+        except jinja2.TemplateError as error:  # e.g. a message without a role
+            raise ValueError(f"the chat template cannot render this conversation: {error}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[RequestOutput]:
         """Beam search for every prompt; each output lists the ``beam_width`` best sequences, best first."""
-        outputs = self._run([(prompt, params) for prompt in _as_list(prompts)], use_tqdm)
+        prompts = _as_list(prompts)
+        outputs = self._run(list(zip(prompts, _params_for(prompts, params, BeamSearchParams, "LLM.generate"))),
+                            use_tqdm)
         tokenizer = self.engine.tokenizer
 
         def text(out, c):
@@ -168,12 +181,16 @@ def _text_or_ids(prompt) -> str | list[int]:
     return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
-def _params_for(prompts, params):
-    if isinstance(params, (SamplingParams, BeamSearchParams)):
-        return [params] * len(prompts)
-    params = list(params)
+def _params_for(prompts, params, kind: type, other_method: str) -> list:
+    """One ``kind`` of params per prompt, from one or a list; a TypeError says where any other
+    kind goes (``SamplingParams`` to ``generate``, ``BeamSearchParams`` to ``beam_search``)."""
+    params = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
     if len(params) != len(prompts):
-        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        raise ValueError(f"got {len(params)} {kind.__name__} for {len(prompts)} prompts; pass one, or one per prompt")
+    for p in params:
+        if not isinstance(p, kind):
+            hint = f"; pass it to {other_method}" if isinstance(p, (SamplingParams, BeamSearchParams)) else ""
+            raise TypeError(f"expected {kind.__name__}, got {type(p).__name__}{hint}")
     return params
 
 

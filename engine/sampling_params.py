@@ -54,6 +54,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, field)  # NumPy integers (a seed from an RNG, say) are integers too
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, field, int(value))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -71,6 +75,11 @@ class SamplingParams:
         than at every step of it."""
         tokens, values = zip(*self.logit_bias) if self.logit_bias else ((), ())
         return np.array(tokens, np.int32), np.array(values, np.float32)
+
+    def clone(self) -> "SamplingParams":
+        """A copy (as vLLM's ``clone``); to change a field, use ``dataclasses.replace``: the
+        parameters are frozen."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:

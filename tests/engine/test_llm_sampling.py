@@ -257,3 +257,10 @@ def test_logit_bias_on_an_unknown_token_is_refused_and_holds_nothing(llm_and_hf)
     assert "logit_bias token ids" in output.error and f"[0, {vocab})" in output.error
     stats = llm.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
+
+
+def test_numpy_integers_are_integers_and_clone_copies():
+    params = SamplingParams(n=np.int64(2), seed=np.int64(7), max_tokens=np.int32(5), top_k=np.int16(3))
+    assert (params.n, params.seed, params.max_tokens, params.top_k) == (2, 7, 5, 3)
+    assert all(type(v) is int for v in (params.n, params.best_of, params.seed, params.max_tokens, params.top_k))
+    assert params.clone() == params and params.clone() is not params

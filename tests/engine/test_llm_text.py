@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, BeamSearchParams, SamplingParams
 from tests.engine.test_llm_parity import COMMON, CONFIGS
 
 pytestmark = pytest.mark.slow
@@ -29,6 +29,27 @@ def test_chat_reads_openai_text_parts_joined_by_newlines(llm):
     assert llm.chat_prompt(parts) == llm.chat_prompt(joined)
     with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):
         llm.chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_chat_can_continue_the_final_message(llm):
+    conversation = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    closed = llm.chat_prompt(conversation, add_generation_prompt=False)
+    open_turn = llm.chat_prompt(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert open_turn == closed[:-2]  # without the end-of-turn token and newline
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert "three" in out.outputs[0].text.lower()
+    with pytest.raises(ValueError, match="the chat template cannot render this conversation"):
+        llm.chat_prompt([{"content": "no role"}])
+
+
+def test_params_of_the_wrong_kind_are_refused_with_where_they_go(llm):
+    with pytest.raises(TypeError, match="expected SamplingParams, got BeamSearchParams; pass it to LLM.beam_search"):
+        llm.generate(["Hi"], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
+    with pytest.raises(TypeError, match="expected BeamSearchParams, got SamplingParams; pass it to LLM.generate"):
+        llm.beam_search(["Hi"], SamplingParams(max_tokens=3))
+    with pytest.raises(TypeError, match="expected SamplingParams, got dict"):
+        llm.generate(["Hi"], {"max_tokens": 3}, use_tqdm=False)
 
 
 def test_text_equals_decoding_the_tokens(llm):
