@@ -8,7 +8,6 @@ import numbers
 from collections.abc import Mapping, Sequence
 
 import jinja2
-
 from tqdm import tqdm
 
 from engine.config import EngineConfig
