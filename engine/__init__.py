@@ -5,7 +5,7 @@
 """
 
 from engine.llm import LLM, CacheStats
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CacheStats", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "CacheStats", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]

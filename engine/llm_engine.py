@@ -24,7 +24,7 @@ from engine import beam_search, parallel, step_sampling
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, token_logprobs
 from engine.requests import RequestState, SeqProgress
 from engine.runner import ModelRunner
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -314,12 +314,13 @@ class LLMEngine:
     def _sample_step(self, request: RequestState, rows, indices, sampled) -> list:
         actions = []
         for row, i in zip(rows, indices):
-            top = None
-            if request.num_logprobs:
-                top = dict(zip(sampled.top_tokens[i, : request.num_logprobs].tolist(),
-                               sampled.top_logprobs[i, : request.num_logprobs].tolist()))
-            token = int(sampled.tokens[i])
-            stop = request.record(row.seq_id, token, float(sampled.logprobs[i]), top, self.tokenizer)
+            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
+            step_logprobs = None
+            if request.num_logprobs is not None:
+                step_logprobs = token_logprobs(self.tokenizer, (token, logprob, int(sampled.ranks[i])),
+                                               sampled.top_tokens[i, : request.num_logprobs].tolist(),
+                                               sampled.top_logprobs[i, : request.num_logprobs].tolist())
+            stop = request.record(row.seq_id, token, logprob, step_logprobs, self.tokenizer)
             self.counters.generation_tokens += 1
             actions.append(Append(row.seq_id, token))
             if stop:
@@ -374,13 +375,13 @@ class LLMEngine:
             num_top = max(request.params.prompt_logprobs, 1)
             rows = np.array([r for _, r in wanted], np.int32)
             next_tokens = np.array([request.prompt_token_ids[p + 1] for p, _ in wanted], np.int32)
-            chosen, top_tokens, top_logprobs = (np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens,
-                                                                                         num_top))
-            for j, (p, _) in enumerate(wanted):
-                entry = {int(next_tokens[j]): float(chosen[j])}
-                if request.params.prompt_logprobs:
-                    entry.update(zip(top_tokens[j].tolist(), top_logprobs[j].tolist()))
-                request.prompt_logprobs.append(entry)
+            chosen, ranks, top_tokens, top_logprobs = (
+                np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens, num_top))
+            top = request.params.prompt_logprobs  # 0: the prompt token's own only
+            for j in range(len(wanted)):
+                request.prompt_logprobs.append(token_logprobs(
+                    self.tokenizer, (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
+                    top_tokens[j, :top].tolist(), top_logprobs[j, :top].tolist()))
 
     def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Outputs of the changed requests; finished ones leave the engine."""

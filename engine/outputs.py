@@ -4,8 +4,44 @@ from __future__ import annotations
 
 import dataclasses
 
+
+
+class Logprob(float):
+    """A token's log-probability. It is a float, and carries vLLM's ``Logprob`` fields too:
+    ``.logprob``; ``.rank``, the token's place in the model's distribution (1 = the most
+    likely); ``.decoded_token``, its text alone (None without a tokenizer)."""
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 # token id → log-probability, for the chosen token and the requested top alternatives
-TokenLogprobs = dict[int, float]
+TokenLogprobs = dict[int, Logprob]
+
+
+def token_logprobs(tokenizer, chosen: tuple[int, float, int], top_tokens, top_logprobs) -> TokenLogprobs:
+    """One step's entry: the chosen (token, log-probability, rank), then the top alternatives,
+    best first (their ranks are 1, 2, ...)."""
+    def text(token):
+        return tokenizer.decode([token]) if tokenizer is not None else None
+
+    token, logprob, rank = chosen
+    entry = {token: Logprob(logprob, rank, text(token))}
+    for place, (alternative, value) in enumerate(zip(top_tokens, top_logprobs), start=1):
+        entry[alternative] = Logprob(value, place, text(alternative))
+    return entry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,16 +98,18 @@ class RequestState:
             return ()
         return tuple(set(self.eos_token_ids) | set(params.stop_token_ids))
 
-    def record(self, seq_id: int, token: int, logprob: float, top: TokenLogprobs | None, tokenizer) -> bool:
-        """Add a sampled token to a sequence; returns True if the sequence must stop now."""
+    def record(self, seq_id: int, token: int, logprob: float, step_logprobs: TokenLogprobs | None,
+               tokenizer) -> bool:
+        """Add a sampled token to a sequence (with its log-probabilities entry, when the request
+        asks for them); returns True if the sequence must stop now."""
         seq = self.seqs[seq_id]
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
-        if self.params.logprobs is not None:
+        if step_logprobs is not None:
             seq.logprobs = seq.logprobs or []
-            seq.logprobs.append({token: logprob, **(top or {})})
+            seq.logprobs.append(step_logprobs)
         before = len(seq.decoded.text)
         if tokenizer is not None:
             seq.decoded = decode_next(tokenizer, seq.token_ids, seq.decoded,

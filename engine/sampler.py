@@ -39,7 +39,7 @@ class SamplingBatch:
     requests' ``logit_bias`` (``max_biased`` is 0 when no row has any).
     Static: ``penalties``, ``top_p_or_min_p`` and ``all_greedy`` switch whole stages off;
     ``max_top_k`` bounds every row's top_k (0: no row uses top-k); ``num_top_logprobs`` is how
-    many alternatives to return per row.
+    many alternatives to return per row; ``ranks``, whether to rank each chosen token.
     """
 
     temperature: jax.Array
@@ -62,17 +62,26 @@ class SamplingBatch:
     max_top_k: int = flax.struct.field(pytree_node=False, default=0)
     all_greedy: bool = flax.struct.field(pytree_node=False, default=True)
     num_top_logprobs: int = flax.struct.field(pytree_node=False, default=0)
+    ranks: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
 class SamplerOutput:
-    """tokens: int32[rows]; logprobs: float32[rows] of the chosen tokens;
-    top_tokens, top_logprobs: [rows, num_top_logprobs], best first."""
+    """tokens: int32[rows]; logprobs: float32[rows] of the chosen tokens; ranks: int32[rows],
+    each chosen token's place in the model's distribution (1 = most likely; 0 when not asked
+    for); top_tokens, top_logprobs: [rows, num_top_logprobs], best first."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    ranks: jax.Array
     top_tokens: jax.Array
     top_logprobs: jax.Array
+
+
+def _ranks(scores, chosen):
+    """1 + how many entries beat ``chosen``. scores: float32[rows, n]; chosen: [rows] → int32[rows].
+    Counted as a float sum: XLA:CPU's integer reductions over a vocabulary are several times slower."""
+    return 1 + jnp.sum((scores > chosen[:, None]).astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
 def _token_mask(token_ids, vocab_size):
@@ -222,9 +231,11 @@ def sample(logits, batch: SamplingBatch) -> SamplerOutput:
             scaled = truncate(scaled, batch)
         tokens = jnp.where(batch.temperature < _MIN_TEMPERATURE, tokens, _draw(scaled, batch))
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+    chosen_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    chosen = chosen_logit - log_normaliser
+    ranks = _ranks(logits, chosen_logit) if batch.ranks else jnp.zeros_like(tokens)
     top_logits, top_tokens = jax.lax.top_k(logits, batch.num_top_logprobs)
-    return SamplerOutput(tokens, chosen, top_tokens.astype(jnp.int32), top_logits - log_normaliser[:, None])
+    return SamplerOutput(tokens, chosen, ranks, top_tokens.astype(jnp.int32), top_logits - log_normaliser[:, None])
 
 
 @jax.jit
@@ -243,9 +254,10 @@ def prompt_logprobs(logits, next_tokens, num_top: int):
     """Log-probabilities of the actual next prompt tokens.
 
     logits: float32[positions, vocab]; next_tokens: int32[positions]. Returns
-    (float32[positions], top tokens int32[positions, num_top], top logprobs [positions, num_top]).
+    (float32[positions], their ranks int32[positions], top tokens int32[positions, num_top],
+    top logprobs [positions, num_top]).
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
-    return chosen, top_tokens.astype(jnp.int32), top_logprobs
+    return chosen, _ranks(logprobs, chosen), top_tokens.astype(jnp.int32), top_logprobs

@@ -92,6 +92,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,
         all_greedy=all(p.greedy for p in sampling),
         num_top_logprobs=_pow2(num_top) if num_top else 0,
+        ranks=any(p.logprobs is not None for p in params if isinstance(p, SamplingParams)),
     )
 
 
@@ -112,7 +113,7 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
         index[: len(rows)] = picked
         logits = pick_rows(logits, index)
     out = sample(logits, batch)
-    return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.top_tokens,
+    return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.ranks, out.top_tokens,
                                                                  out.top_logprobs)))
 
 

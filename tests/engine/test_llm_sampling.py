@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -10,7 +12,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import jax.numpy as jnp
-from engine import SamplingParams
+from engine import Logprob, SamplingParams
 from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf
 from tests.engine.tiny import prompts, tiny_llm
 
@@ -264,3 +266,31 @@ def test_numpy_integers_are_integers_and_clone_copies():
     assert (params.n, params.seed, params.max_tokens, params.top_k) == (2, 7, 5, 3)
     assert all(type(v) is int for v in (params.n, params.best_of, params.seed, params.max_tokens, params.top_k))
     assert params.clone() == params and params.clone() is not params
+
+
+def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_hf):
+    """Each reported log-probability is a float that also answers vLLM's ``Logprob`` fields:
+    the top alternatives rank 1, 2, 3 in order, and a sampled token's rank is its place in
+    HF's distribution for the same prompt. They survive pickling (multiprocessing, caches)."""
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=13)[0]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=3, seed=2, logprobs=3, prompt_logprobs=2)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    def place(scores, token):  # 1 + how many tokens HF ranks above it (our float32 may differ by one)
+        return 1 + int((scores > scores[token]).sum())
+
+    for completion in output.outputs:
+        for token, step in zip(completion.token_ids, completion.logprobs):
+            assert all(isinstance(v, Logprob) and v.logprob == float(v) for v in step.values())
+            alternatives = sorted((v for t, v in step.items() if t != token or v.rank <= 3), key=lambda v: v.rank)
+            assert [v.rank for v in alternatives] == [1, 2, 3] and alternatives == sorted(alternatives, reverse=True)
+        first = completion.token_ids[0]
+        assert abs(completion.logprobs[0][first].rank - place(reference[-1], first)) <= 1
+    for position, step in enumerate(output.prompt_logprobs[1:], start=1):
+        actual = prompt[position]
+        assert abs(step[actual].rank - place(reference[position - 1], actual)) <= 1
+    assert pickle.loads(pickle.dumps(output)).outputs[0].logprobs == output.outputs[0].logprobs
+    again = pickle.loads(pickle.dumps(output.outputs[0].logprobs[0]))
+    assert [v.rank for v in again.values()] == [v.rank for v in output.outputs[0].logprobs[0].values()]

@@ -52,6 +52,15 @@ def test_params_of_the_wrong_kind_are_refused_with_where_they_go(llm):
         llm.generate(["Hi"], {"max_tokens": 3}, use_tqdm=False)
 
 
+def test_logprobs_name_their_tokens(llm):
+    tokenizer = llm.get_tokenizer()
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, logprobs=2),
+                       use_tqdm=False)[0].outputs[0]
+    for token, step in zip(out.token_ids, out.logprobs):
+        assert step[token].rank == 1  # greedy
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in step.items())
+
+
 def test_text_equals_decoding_the_tokens(llm):
     tokenizer = llm.get_tokenizer()
     outs = llm.generate(["Write a haiku about the sea.", "日本の首都は"], SamplingParams(temperature=0, max_tokens=30),
