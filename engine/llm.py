@@ -95,7 +95,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(conversation, add_generation_prompt, continue_final_message)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        tokenizer = self.engine.tokenizer  # the rendered conversation as text, as vLLM reports it
+        return [dataclasses.replace(out, prompt=tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False))
+                for out in outputs]
 
     def chat_prompt(self, conversation, add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:

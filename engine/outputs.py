@@ -61,8 +61,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this sequence is done (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
 

@@ -20,6 +20,8 @@ def test_chat_answers_through_the_template(llm):
                    SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert "<|im_end|>" not in out.outputs[0].text
+    assert out.prompt.startswith("<|im_start|>") and "What is the capital of France?<|im_end|>" in out.prompt
+    assert out.outputs[0].finished()  # a method, as in vLLM
 
 
 def test_chat_reads_openai_text_parts_joined_by_newlines(llm):
