@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 
-
 class Logprob(float):
     """A token's log-probability. It is a float, and carries vLLM's ``Logprob`` fields too:
     ``.logprob``; ``.rank``, the token's place in the model's distribution (1 = the most
