@@ -185,10 +185,12 @@ class LLMEngine:
     def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for parameters naming tokens the model does not have."""
         vocab = self.model_config.vocab_size
-        bad = [t for t, _ in getattr(params, "logit_bias", ()) if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"request {request_id!r}: logit_bias token ids {bad[:5]} are outside the "
-                                      f"vocabulary [0, {vocab})")
+        for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
+                           ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"request {request_id!r}: {field} token ids {bad[:5]} are outside the "
+                                          f"vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""

@@ -60,6 +60,7 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
         """Our ``SamplingParams``; raises ValueError naming a bad field."""
@@ -71,7 +72,8 @@ class _Sampling(_Request):
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias))
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -1,6 +1,7 @@
 """Picking the next token for a whole batch in one jitted call, each row with its own parameters.
 
-Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``),
+Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``)
+and tokens outside a row's allowed list,
 temperature, then top-k, top-p and min-p truncation, then one draw from what is left. Greedy
 rows take the arg-max of the biased and penalised logits. Each row's random number is a Threefry hash of
 its request's seed, its sample index and its step, so a seeded request samples the same
@@ -36,7 +37,9 @@ class SamplingBatch:
     output_tokens: int32[rows, max_out] and prompt_tokens: int32[rows, max_prompt] (-1 padded,
     only read when ``penalties``); banned: int32[rows, max_banned] (-1 padded); bias_tokens:
     int32[rows, max_biased] (-1 padded) and bias_values: float32[rows, max_biased], the
-    requests' ``logit_bias`` (``max_biased`` is 0 when no row has any).
+    requests' ``logit_bias`` (``max_biased`` is 0 when no row has any); allowed:
+    int32[rows, max_allowed] (-1 padded; 0 wide when no row restricts), the only tokens a row
+    with any listed may produce.
     Static: ``penalties``, ``top_p_or_min_p`` and ``all_greedy`` switch whole stages off;
     ``max_top_k`` bounds every row's top_k (0: no row uses top-k); ``num_top_logprobs`` is how
     many alternatives to return per row; ``ranks``, whether to rank each chosen token.
@@ -57,6 +60,7 @@ class SamplingBatch:
     banned: jax.Array
     bias_tokens: jax.Array
     bias_values: jax.Array
+    allowed: jax.Array
     penalties: bool = flax.struct.field(pytree_node=False, default=False)
     top_p_or_min_p: bool = flax.struct.field(pytree_node=False, default=False)
     max_top_k: int = flax.struct.field(pytree_node=False, default=0)
@@ -224,6 +228,9 @@ def sample(logits, batch: SamplingBatch) -> SamplerOutput:
     processed = apply_logit_bias(logits, batch) if batch.bias_tokens.shape[-1] else logits
     processed = apply_penalties(processed, batch) if batch.penalties else processed
     processed = jnp.where(_token_mask(batch.banned, logits.shape[-1]), -jnp.inf, processed)
+    if batch.allowed.shape[-1]:
+        restricted = (batch.allowed >= 0).any(axis=-1, keepdims=True)
+        processed = jnp.where(restricted & ~_token_mask(batch.allowed, logits.shape[-1]), -jnp.inf, processed)
     tokens = argmax(processed)
     if not batch.all_greedy:
         scaled = processed / jnp.maximum(batch.temperature, _MIN_TEMPERATURE)[:, None]

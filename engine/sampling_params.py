@@ -30,6 +30,8 @@ class SamplingParams:
     token id to a number added to that token's logit before anything else (OpenAI's and vLLM's
     ``logit_bias``; -100 in effect bans a token, +100 forces it), stored as sorted
     ``(token, bias)`` pairs; it changes what is sampled, not the log-probabilities reported.
+    allowed_token_ids: if given, the only tokens that may be generated (vLLM's; a non-empty
+    list of token ids).
     """
 
     n: int = 1
@@ -52,6 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
@@ -67,6 +70,10 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+            ids = tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                        for t in self.allowed_token_ids)
+            object.__setattr__(self, "allowed_token_ids", ids)
         _check(self)
 
     @functools.cached_property
@@ -75,6 +82,11 @@ class SamplingParams:
         than at every step of it."""
         tokens, values = zip(*self.logit_bias) if self.logit_bias else ((), ())
         return np.array(tokens, np.int32), np.array(values, np.float32)
+
+    @functools.cached_property
+    def allowed_array(self) -> np.ndarray:
+        """``allowed_token_ids`` as int32 (empty when every token is allowed), built once per request."""
+        return np.array(self.allowed_token_ids or (), np.int32)
 
     def clone(self) -> "SamplingParams":
         """A copy (as vLLM's ``clone``); to change a field, use ``dataclasses.replace``: the
@@ -138,6 +150,10 @@ def _check(p: SamplingParams) -> None:
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
         _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
+    allowed = p.allowed_token_ids
+    _require(allowed is None or (isinstance(allowed, tuple) and allowed and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)), "allowed_token_ids",
+        "None or a non-empty list of non-negative token ids", allowed)
     if p.greedy:
         _require(p.best_of == 1 or p.n == p.best_of, "best_of", "equal to n when temperature is 0 (greedy)",
                  p.best_of)

@@ -18,7 +18,7 @@ from engine.sampler import SamplingBatch, SamplerOutput, pick_rows, sample
 from engine.sampling_params import SamplingParams
 
 
-# Biases of up to this many tokens share one sampler program per row count.
+# Biases (and allowed lists) of up to this many tokens share one sampler program per row count.
 _MIN_BIAS_WIDTH = 16
 # A padding row's (empty) bias arrays.
 _NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
@@ -68,6 +68,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
     biases = [p.logit_bias_arrays for p in sampling] + [_NO_BIAS] * pad
     biased = any(len(tokens) for tokens, _ in biases)
+    allowed = [p.allowed_array for p in sampling] + [_NO_BIAS[0]] * pad
     top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
     top_k = max(top_ks, default=0)
     return SamplingBatch(
@@ -87,6 +88,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         bias_tokens=_padded([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
         bias_values=_padded([values for _, values in biases], when=biased, fill=0.0, dtype=np.float32,
                                    min_width=_MIN_BIAS_WIDTH),
+        allowed=_padded(allowed, when=any(len(ids) for ids in allowed), min_width=_MIN_BIAS_WIDTH),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
         max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,

@@ -174,7 +174,8 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
         repetition_penalty=jnp.asarray([1.3, 0.8]), seed=jnp.zeros(2, jnp.uint32),
         sample_index=jnp.zeros(2, jnp.int32), step=jnp.zeros(2, jnp.int32), output_tokens=jnp.asarray(output),
         prompt_tokens=jnp.asarray(prompt), banned=jnp.zeros((2, 0), jnp.int32),
-        bias_tokens=jnp.zeros((2, 0), jnp.int32), bias_values=jnp.zeros((2, 0)), penalties=True)
+        bias_tokens=jnp.zeros((2, 0), jnp.int32), bias_values=jnp.zeros((2, 0)),
+        allowed=jnp.zeros((2, 0), jnp.int32), penalties=True)
     ours = np.asarray(apply_penalties(jnp.asarray(logits), batch))
     for row, (penalty, presence, frequency) in enumerate([(1.3, 0.5, 0.25), (0.8, 0.0, 1.0)]):
         seen = [t for t in list(prompt[row]) + list(output[row]) if t >= 0]
@@ -197,6 +198,8 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
     ("logit_bias", {3: float("nan")}, "logit_bias must be a mapping"),
     ("logit_bias", {3: 1e39}, r"logit_bias must be .*, got \(3, 1e\+39\)"),
     ("logit_bias", 5, "logit_bias must be a mapping"),
+    ("allowed_token_ids", [], "allowed_token_ids must be None or a non-empty list"),
+    ("allowed_token_ids", [3, -1], "allowed_token_ids must be None or a non-empty list"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -294,3 +297,22 @@ def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_hf):
     assert pickle.loads(pickle.dumps(output)).outputs[0].logprobs == output.outputs[0].logprobs
     again = pickle.loads(pickle.dumps(output.outputs[0].logprobs[0]))
     assert [v.rank for v in again.values()] == [v.rank for v in output.outputs[0].logprobs[0].values()]
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(llm_and_hf):
+    """vLLM's allowed_token_ids: sampled tokens stay in the list, greedy picks the list's most
+    likely token (HF's logits over just those), and other requests in the batch are free."""
+    llm, hf = llm_and_hf
+    prompt = prompts(1, hf.config.vocab_size, seed=14)[0]
+    allowed = [11, 23, 57, 201]
+    sampled = SamplingParams(n=8, temperature=1.0, max_tokens=5, seed=3, allowed_token_ids=allowed)
+    greedy = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed)
+    free = SamplingParams(n=8, temperature=1.0, max_tokens=5, seed=3)
+    outputs = llm.generate([prompt] * 3, [sampled, greedy, free], use_tqdm=False)
+    assert {t for c in outputs[0].outputs for t in c.token_ids} <= set(allowed)
+    with torch.no_grad():
+        last = hf(torch.tensor([prompt])).logits[0, -1]
+    assert outputs[1].outputs[0].token_ids[0] == allowed[int(last[allowed].argmax())]
+    assert {t for c in outputs[2].outputs for t in c.token_ids} - set(allowed)
+    (refused,) = llm.generate([prompt], SamplingParams(allowed_token_ids=[hf.config.vocab_size]), use_tqdm=False)
+    assert "allowed_token_ids token ids" in refused.error

@@ -101,6 +101,7 @@ def test_several_prompts_echo_and_logprobs(client):
     ("bad_token_id_streamed", 400, "outside the vocabulary"),
     ("bad_logit_bias_token", 400, "logit_bias token ids [999999] are outside the vocabulary"),
     ("logit_bias_key_not_a_token", 400, "logit_bias keys must be token ids"),
+    ("bad_allowed_token", 400, "allowed_token_ids token ids [999999] are outside the vocabulary"),
     ("suffix", 400, "suffix is not supported"),
     ("stream_options_without_stream", 400, "stream_options can only be set when stream is true"),
     ("image_part", 400, "content parts of type 'image_url' are not supported"),
@@ -131,6 +132,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "bad_token_id_streamed": dict(json={**body, "prompt": [999999], "stream": True}),
         "bad_logit_bias_token": dict(json={**body, "logit_bias": {"999999": 5}}),
         "logit_bias_key_not_a_token": dict(json={**body, "logit_bias": {"blue": 5}}),
+        "bad_allowed_token": dict(json={**body, "allowed_token_ids": [5, 999999]}),
         "suffix": dict(json={**body, "suffix": " and so on."}),
         "stream_options_without_stream": dict(json={**body, "stream_options": {"include_usage": True}}),
         "image_part": dict(path=CHAT, json={**chat, "messages": [{"role": "user", "content": [
@@ -193,6 +195,9 @@ def test_logit_bias_forces_and_bans_tokens(url, client):
     forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, logit_bias={str(blue): 100},
                                        seed=0)
     assert forced.choices[0].text == " blue" * 3
+    only = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3,
+                                     extra_body={"allowed_token_ids": [blue]})
+    assert only.choices[0].text == " blue" * 3
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
                                           max_tokens=3, temperature=0, logit_bias={str(blue): 100})
     assert chat.choices[0].message.content.strip() == "blue blue blue"
