@@ -70,7 +70,7 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+        if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, (str, bytes)):
             ids = tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                         for t in self.allowed_token_ids)
             object.__setattr__(self, "allowed_token_ids", ids)

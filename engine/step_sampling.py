@@ -20,8 +20,9 @@ from engine.sampling_params import SamplingParams
 
 # Biases (and allowed lists) of up to this many tokens share one sampler program per row count.
 _MIN_BIAS_WIDTH = 16
-# A padding row's (empty) bias arrays.
-_NO_BIAS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+# A padding row's (empty) token list, and bias arrays.
+_NO_TOKENS = np.zeros(0, np.int32)
+_NO_BIAS = (_NO_TOKENS, np.zeros(0, np.float32))
 
 
 def _pow2(n: int) -> int:
@@ -68,7 +69,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     banned = [[t for t in row.request.banned_tokens(row.seq_id) if t < vocab_size] for row in rows] + [()] * pad
     biases = [p.logit_bias_arrays for p in sampling] + [_NO_BIAS] * pad
     biased = any(len(tokens) for tokens, _ in biases)
-    allowed = [p.allowed_array for p in sampling] + [_NO_BIAS[0]] * pad
+    allowed = [p.allowed_array for p in sampling] + [_NO_TOKENS] * pad
     top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in sampling]
     top_k = max(top_ks, default=0)
     return SamplingBatch(

@@ -200,6 +200,7 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
     ("logit_bias", 5, "logit_bias must be a mapping"),
     ("allowed_token_ids", [], "allowed_token_ids must be None or a non-empty list"),
     ("allowed_token_ids", [3, -1], "allowed_token_ids must be None or a non-empty list"),
+    ("allowed_token_ids", 5, "allowed_token_ids must be None or a non-empty list"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
