@@ -145,6 +145,8 @@ class LLMEngine:
         is empty, too long for ``max_model_len``, or holds unknown token ids, or a logit bias
         on an unknown token."""
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(params, SamplingParams):
+            token_ids = params.truncate(token_ids)
         self.check_prompt(token_ids, request_id)
         self.check_params(params, request_id)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of

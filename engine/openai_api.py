@@ -51,16 +51,17 @@ class OpenAIServing:
                                "NotFoundError")
         return name or self.model_names[0]
 
-    def _token_ids(self, prompt) -> list[int]:
+    def _token_ids(self, prompt, keep: int | None = None) -> list[int]:
+        """The prompt's token ids, only the last ``keep`` if given (``truncate_prompt_tokens``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send token ids")
-            return self.tokenizer.encode(prompt)
+            return _last(self.tokenizer.encode(prompt), keep)
         try:
-            self.engine.engine.check_prompt(list(prompt))
+            self.engine.engine.check_prompt(_last(list(prompt), keep))
         except InvalidRequestError as error:
             raise RequestError(str(error)) from None
-        return list(prompt)
+        return _last(list(prompt), keep)
 
     def _params(self, request, **kwargs) -> SamplingParams:
         """The request's ``SamplingParams``; a 400 naming the field for a bad value."""
@@ -87,7 +88,7 @@ class OpenAIServing:
     def plan_completion(self, request: CompletionRequest):
         """(model name, [(token ids, SamplingParams)]) for every prompt of ``request``."""
         model = self.check_model(request.model)
-        prompts = [self._token_ids(p) for p in request.prompts()]
+        prompts = [self._token_ids(p, request.truncate_prompt_tokens) for p in request.prompts()]
         if not prompts or not all(prompts):
             raise RequestError("prompt must not be empty")
         if request.stream and (request.best_of or request.n) > request.n:
@@ -171,7 +172,8 @@ class OpenAIServing:
 
     def plan_chat(self, request: ChatRequest):
         model = self.check_model(request.model)
-        ids = self.chat_ids(request.messages, request.add_generation_prompt, request.continue_final_message)
+        ids = _last(self.chat_ids(request.messages, request.add_generation_prompt, request.continue_final_message),
+                    request.truncate_prompt_tokens)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
                               logprobs=logprobs)
@@ -320,6 +322,11 @@ class _Sent:
 
     def advance(self, c: CompletionOutput) -> None:
         self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+
+
+def _last(ids: list[int], keep: int | None) -> list[int]:
+    """``ids``, or only the last ``keep`` of them (a positive ``keep``)."""
+    return ids[-keep:] if keep and keep > 0 else ids
 
 
 def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:

@@ -61,6 +61,7 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
         """Our ``SamplingParams``; raises ValueError naming a bad field."""
@@ -73,7 +74,7 @@ class _Sampling(_Request):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias),
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -31,7 +31,8 @@ class SamplingParams:
     ``logit_bias``; -100 in effect bans a token, +100 forces it), stored as sorted
     ``(token, bias)`` pairs; it changes what is sampled, not the log-probabilities reported.
     allowed_token_ids: if given, the only tokens that may be generated (vLLM's; a non-empty
-    list of token ids).
+    list of token ids). truncate_prompt_tokens: if given (k >= 1), only the prompt's last k
+    tokens are used (vLLM's left truncation).
     """
 
     n: int = 1
@@ -55,9 +56,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
-        for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                      "truncate_prompt_tokens"):
             value = getattr(self, field)  # NumPy integers (a seed from an RNG, say) are integers too
             if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
                 object.__setattr__(self, field, int(value))
@@ -87,6 +90,10 @@ class SamplingParams:
     def allowed_array(self) -> np.ndarray:
         """``allowed_token_ids`` as int32 (empty when every token is allowed), built once per request."""
         return np.array(self.allowed_token_ids or (), np.int32)
+
+    def truncate(self, token_ids: list[int]) -> list[int]:
+        """The prompt this request uses: ``token_ids``, or their last ``truncate_prompt_tokens``."""
+        return token_ids[-self.truncate_prompt_tokens:] if self.truncate_prompt_tokens else token_ids
 
     def clone(self) -> "SamplingParams":
         """A copy (as vLLM's ``clone``); to change a field, use ``dataclasses.replace``: the
@@ -150,6 +157,9 @@ def _check(p: SamplingParams) -> None:
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
         _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
+    _require(p.truncate_prompt_tokens is None or (isinstance(p.truncate_prompt_tokens, int)
+                                                  and p.truncate_prompt_tokens >= 1),
+             "truncate_prompt_tokens", "None or an integer >= 1", p.truncate_prompt_tokens)
     allowed = p.allowed_token_ids
     _require(allowed is None or (isinstance(allowed, tuple) and allowed and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)), "allowed_token_ids",

@@ -168,3 +168,19 @@ def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_hf):
         assert out.outputs[0].token_ids == expected and out.prompt_token_ids == tuple(ids)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"tokens": ids}, greedy, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm_and_hf):
+    """vLLM's left truncation: a prompt longer than max_model_len (128 here) runs on its last
+    k tokens, exactly as if only those had been sent."""
+    llm, hf = llm_and_hf
+    long_prompt = prompts(2, hf.config.vocab_size, seed=15)[1] * 4  # 240 tokens
+    kept = long_prompt[-50:]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    truncated = llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=50),
+                             use_tqdm=False)[0]
+    assert truncated.error is None and list(truncated.prompt_token_ids) == kept
+    assert truncated.outputs[0].token_ids == llm.generate([kept], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert "max_model_len" in llm.generate([long_prompt], greedy, use_tqdm=False)[0].error
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be None or an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -224,6 +224,16 @@ def test_echo_without_generation_scores_the_prompt(client):
     assert [c.choices[0].finish_reason for c in streamed][-1] == "length"
 
 
+def test_truncate_prompt_tokens_serves_a_prompt_over_the_context(client):
+    long_prompt = "word " * 600  # over max_model_len 512
+    response = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 100})
+    assert response.usage.prompt_tokens == 100 and response.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 100})
+    assert chat.usage.prompt_tokens == 100
+
+
 def test_null_fields_take_their_defaults_and_text_parts_join_by_newlines(url):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": None, "presence_penalty": None,
             "frequency_penalty": None, "stream": None, "echo": None, "min_p": None, "repetition_penalty": None}
