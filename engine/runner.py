@@ -89,7 +89,10 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = powers_of_two(_min_rows(params), max_num_seqs)
-        self.token_buckets = powers_of_two(16, max_num_batched_tokens)
+        # No step holds more tokens than its sequences can: with max_num_seqs 1 and a 1024-token
+        # model, a 2048-token bucket could never run (and its warm-up had no rows to hold it).
+        self.max_step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+        self.token_buckets = powers_of_two(16, self.max_step_tokens)
         # Rows of logits in steps with prompts: coarser than the decode buckets, since every
         # (tokens, rows) pair is a program to compile, and a few padded rows cost little next
         # to a prompt.
@@ -185,9 +188,11 @@ class ModelRunner:
     def _dummy_works(self, kind: int, num_tokens: int) -> list[ScheduledGroupWork]:
         """Work of the right shape (a decode of ``num_tokens`` sequences, or a prefill of
         ``num_tokens`` tokens split into sequences no longer than the model allows), all of it
-        written into block 0, which nothing reads before overwriting."""
+        written into block 0, which nothing reads before overwriting. A prefill bucket larger
+        than any step gets the largest step, which pads to the same bucket."""
         if kind == 1:
             return [ScheduledGroupWork("warm-up", (i,), (0,), 0, (0,), False, True) for i in range(num_tokens)]
+        num_tokens = min(num_tokens, self.max_step_tokens)
         longest = self.max_blocks * self.block_size
         sizes = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
         return [ScheduledGroupWork("warm-up", (i,), (0,) * n, 0, (0,) * -(-n // self.block_size), True, True)

@@ -30,6 +30,19 @@ def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
     assert compiled == []
 
 
+def test_one_sequence_at_a_time_warms_up_and_matches_a_batch(tmp_path):
+    # max_num_seqs 1 with a context (128) shorter than the token budget (256): the warm-up
+    # used to build a 256-token prefill of two sequences, which one row cannot hold.
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_seqs=1)
+    batch = prompts(3, hf.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    alone = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    together, _ = tiny_llm("llama_gqa_tied", tmp_path)
+    assert alone == [o.outputs[0].token_ids for o in together.generate(batch, params, use_tqdm=False)]
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
+
+
 def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
     llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
     assert llm.engine.warm_ups_left > 0
