@@ -5,7 +5,8 @@
 """
 
 from engine.llm import LLM, CacheStats
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CacheStats", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheStats", "CompletionOutput",
+           "Logprob", "RequestOutput", "SamplingParams"]

@@ -21,11 +21,13 @@ _NEG = -1.0e9
 
 @dataclasses.dataclass(frozen=True)
 class Beam:
-    """A running or finished hypothesis: generated ``tokens``, their summed log-probability."""
+    """A running or finished hypothesis: generated ``tokens``, their summed log-probability;
+    ``proposals``, per token, the (token, logprob) pairs its parent proposed at that step."""
 
     tokens: tuple[int, ...]
     logprob: float
     score: float = 0.0
+    proposals: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,8 @@ def step(state: BeamState, proposals, *, width: int, eos_token_ids, ignore_eos: 
     finished, choices = list(state.finished), []
     pool_full = len(finished) >= width and early_stopping is True
     for rank, (logprob, parent, token) in enumerate(candidates):
-        beam = Beam(state.running[parent].tokens + (token,), logprob)
+        before = state.running[parent]
+        beam = Beam(before.tokens + (token,), logprob, proposals=before.proposals + (tuple(proposals[parent]),))
         ends = generated >= max_tokens or (not ignore_eos and token in eos_token_ids)
         if ends:
             if rank < width and not pool_full and logprob > _NEG / 2:

@@ -11,9 +11,8 @@ import jinja2
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.detokenizer import decode_after
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from engine.protocol import text_content
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import InvalidRequestError
@@ -117,18 +116,14 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[RequestOutput]:
-        """Beam search for every prompt; each output lists the ``beam_width`` best sequences, best first."""
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt. As vLLM's, each output's ``sequences`` are the
+        ``beam_width`` best, best first, each with the prompt's tokens then its own, and the
+        text of them all."""
         prompts = _as_list(prompts)
         outputs = self._run(list(zip(prompts, _params_for(prompts, params, BeamSearchParams, "LLM.generate"))),
                             use_tqdm)
-        tokenizer = self.engine.tokenizer
-
-        def text(out, c):
-            return decode_after(tokenizer, out.prompt_token_ids, c.token_ids) if tokenizer else ""
-
-        return [dataclasses.replace(out, outputs=tuple(dataclasses.replace(c, text=text(out, c)) for c in out.outputs))
-                for out in outputs]
+        return [_beam_search_output(out, self.engine.tokenizer) for out in outputs]
 
     def cache_stats(self) -> CacheStats:
         stats = self.engine.stats()
@@ -196,10 +191,21 @@ def _params_for(prompts, params, kind: type, other_method: str) -> list:
     return params
 
 
+def _beam_search_output(out: RequestOutput, tokenizer) -> BeamSearchOutput:
+    def sequence(completion: CompletionOutput) -> BeamSearchSequence:
+        tokens = [*out.prompt_token_ids, *completion.token_ids]
+        return BeamSearchSequence(tokens=tokens, logprobs=list(completion.logprobs or ()),
+                                  cum_logprob=completion.cumulative_logprob,
+                                  text=tokenizer.decode(tokens) if tokenizer is not None else None,
+                                  finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+    return BeamSearchOutput([sequence(completion) for completion in out.outputs], error=out.error)
+
+
 def _refused(request_id: str, prompt, reason: str) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
     ids = () if isinstance(prompt, str) else tuple(prompt)
     return RequestOutput(request_id, text, ids, (), finished=True, error=reason)
 
 
-__all__ = ["LLM", "CacheStats", "CompletionOutput"]
+__all__ = ["LLM", "CacheStats"]

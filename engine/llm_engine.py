@@ -401,7 +401,7 @@ class LLMEngine:
         self.state = dataclasses.replace(self.state, finished=())
         outputs = []
         for request_id, request in touched.items():
-            outputs.append(request.output())
+            outputs.append(request.output(self.tokenizer))
             if request.finished:
                 self.requests.pop(request_id, None)
         return outputs

@@ -85,6 +85,30 @@ class RequestOutput:
 
 
 @dataclasses.dataclass(frozen=True)
+class BeamSearchSequence:
+    """One hypothesis of a beam search, as vLLM's: ``tokens`` are the prompt's then the
+    generated ones, ``text`` decodes them all; ``logprobs`` has, per generated token, the
+    log-probabilities of every token its beam proposed at that step (the chosen one among them);
+    ``cum_logprob`` sums the chosen tokens' log-probabilities."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchOutput:
+    """What ``LLM.beam_search`` returns per prompt (vLLM's type): the ``beam_width`` best
+    ``sequences``, best first. ``error``: why the prompt was refused (then no sequences)."""
+
+    sequences: list[BeamSearchSequence]
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestMetrics:
     """Wall-clock times (``time.monotonic()`` seconds) of a request's milestones."""
 

@@ -11,8 +11,8 @@ import dataclasses
 import time
 
 from engine import beam_search
-from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_next, find_stop
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, find_stop
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, token_logprobs
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -142,12 +142,13 @@ class RequestState:
     def _cut_text(seq: SeqProgress, end: int) -> None:
         seq.decoded = dataclasses.replace(seq.decoded, text=seq.decoded.text[:end])
 
-    def output(self) -> RequestOutput:
-        """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running."""
+    def output(self, tokenizer=None) -> RequestOutput:
+        """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running.
+        ``tokenizer`` decodes the texts of finished beams."""
         held_back = 0 if self.is_beam_search or not self.params.stop else max(map(len, self.params.stop)) - 1
         completions = [seq.completion(held_back) for seq in self.seqs.values()]
         if self.is_beam_search:
-            completions = self._beam_completions()
+            completions = self._beam_completions(tokenizer)
         elif self.finished and self.params.best_of > self.params.n:
             completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
             completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
@@ -165,12 +166,25 @@ class RequestState:
             metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
         )
 
-    def _beam_completions(self) -> list[CompletionOutput]:
+    def _beam_completions(self, tokenizer) -> list[CompletionOutput]:
+        """The best beams, best first; each token's log-probabilities entry holds what its beam
+        proposed at that step (the chosen token is always among them)."""
         if self.beams is None or not self.beams.done:
             return []
         beams = beam_search.results(self.beams, self.params.beam_width)
         return [
-            CompletionOutput(index=i, text="", token_ids=beam.tokens, cumulative_logprob=beam.logprob, logprobs=None,
+            CompletionOutput(index=i, text=decode_after(tokenizer, self.prompt_token_ids, beam.tokens) if tokenizer else "",
+                             token_ids=beam.tokens, cumulative_logprob=beam.logprob,
+                             logprobs=tuple(_proposals_entry(tokenizer, token, proposed)
+                                            for token, proposed in zip(beam.tokens, beam.proposals)),
                              finish_reason="stop" if beam.tokens and beam.tokens[-1] in self.eos_token_ids else "length")
             for i, beam in enumerate(beams)
         ]
+
+
+def _proposals_entry(tokenizer, token: int, proposed) -> TokenLogprobs:
+    """A beam's log-probabilities entry for ``token`` from the (token, logprob) pairs its beam
+    proposed, best first."""
+    rank = next(place for place, (other, _) in enumerate(proposed, start=1) if other == token)
+    tokens, logprobs = zip(*proposed)
+    return token_logprobs(tokenizer, (token, proposed[rank - 1][1], rank), tokens, logprobs)

@@ -118,3 +118,24 @@ def test_eos_text_is_left_out_even_when_special_tokens_are_kept(llm):
     kept = llm.chat(question, SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False,
                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert kept.text == out.text + "<|im_end|>"
+
+
+def test_beam_search_returns_vllm_beam_search_outputs(llm):
+    prompt = "The capital of France is"
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    assert len(out.sequences) == 3 and out.error is None
+    scores = [s.cum_logprob / (len(s.tokens) - len(prompt_ids)) for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)  # best first (length_penalty 1)
+    for beam in out.sequences:
+        generated = beam.tokens[len(prompt_ids):]
+        assert beam.tokens[: len(prompt_ids)] == prompt_ids  # the tokens include the prompt, as in vLLM
+        assert beam.text == tokenizer.decode(beam.tokens) and beam.text.startswith(prompt)
+        # Per generated token, what its beam proposed (2 x width), the chosen token among them
+        assert [len(entry) for entry in beam.logprobs] == [6] * len(generated)
+        chosen = [entry[token] for token, entry in zip(generated, beam.logprobs)]
+        assert beam.cum_logprob == pytest.approx(sum(chosen), abs=1e-4)
+        assert all(min(lp.rank for lp in entry.values()) == 1 for entry in beam.logprobs)
+        assert beam.finish_reason in ("stop", "length")
+    assert " Paris" in out.sequences[0].text

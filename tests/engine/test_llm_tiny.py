@@ -28,7 +28,8 @@ def test_beam_search_matches_hugging_face(length_penalty, tmp_path):
                                length_penalty=length_penalty, max_new_tokens=8, do_sample=False,
                                pad_token_id=hf.config.eos_token_id)
         expected = [_strip(row[len(prompt):].tolist(), hf.config.eos_token_id) for row in want]
-        assert [list(c.token_ids) for c in output.outputs] == expected
+        assert [s.tokens[len(prompt):] for s in output.sequences] == expected
+        assert all(s.tokens[: len(prompt)] == prompt for s in output.sequences)
     stats = llm.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
 
