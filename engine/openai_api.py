@@ -17,7 +17,7 @@ import jinja2
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ChatRequest, CompletionRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ class OpenAIServing:
             raise RequestError(str(error)) from None
         return _last(list(prompt), keep)
 
-    def _params(self, request, **kwargs) -> SamplingParams:
-        """The request's ``SamplingParams``; a 400 naming the field for a bad value."""
+    def _params(self, request, **kwargs) -> SamplingParams | BeamSearchParams:
+        """The request's ``SamplingParams`` (``BeamSearchParams`` with ``use_beam_search``); a 400
+        naming the field for a bad value."""
         try:
-            params = request.sampling_params(**kwargs)
+            params = request.engine_params(**kwargs)
             self.engine.engine.check_params(params)
         except (ValueError, InvalidRequestError) as error:
             raise RequestError(str(error)) from None
@@ -95,12 +96,15 @@ class OpenAIServing:
             raise RequestError("best_of cannot be larger than n when streaming")
         plans = []
         for ids in prompts:
-            if request.max_tokens == 0 and not request.echo:
-                raise RequestError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+            if request.max_tokens == 0 and (request.use_beam_search or not request.echo):
+                raise RequestError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt, "
+                                   "and without use_beam_search)")
             max_tokens = 1 if request.echo_only else request.max_tokens  # the one token is not shown
             params = self._params(request, max_tokens=self._max_tokens(len(ids), max_tokens),
                                   logprobs=request.logprobs, best_of=request.best_of)
             if request.echo and request.logprobs is not None:
+                if request.use_beam_search:
+                    raise RequestError("echo with logprobs cannot be used with use_beam_search")
                 params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
             plans.append((ids, params))
         return model, plans
@@ -115,8 +119,8 @@ class OpenAIServing:
                 shown = c
                 if request.echo and request.logprobs is not None:  # the prompt's tokens come first
                     shown = self._with_prompt(c, ids, output)
-                choices.append({"index": prompt_index * request.n + c.index, "text": text,
-                                "logprobs": self._completion_logprobs(shown) if request.logprobs is not None else None,
+                logprobs = None if request.logprobs is None else self._completion_logprobs(shown, request.logprobs)
+                choices.append({"index": prompt_index * request.n + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, finals)}
@@ -144,7 +148,7 @@ class OpenAIServing:
                     delta = self._with_prompt(delta, plans[prompt_index][0], output)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(delta, progress.text_offset)
+                    logprobs = self._completion_logprobs(delta, request.logprobs, progress.text_offset)
                     progress.text_offset += sum(len(token) for token in logprobs["tokens"])
                 progress.advance(c)
                 yield chunk([{"index": prompt_index * request.n + c.index, "text": prefix + delta.text,
@@ -275,10 +279,12 @@ class OpenAIServing:
         return dataclasses.replace(c, token_ids=tuple(prompt_ids) + c.token_ids,
                                    logprobs=tuple(output.prompt_logprobs) + (c.logprobs or ()))
 
-    def _completion_logprobs(self, c: CompletionOutput, first_offset: int = 0) -> dict:
-        """The legacy ``logprobs`` object; ``text_offset`` counts from ``first_offset`` (the text
-        already sent, when streaming). A step without log-probabilities (the first prompt token,
-        which has no context) gets null ones, as in OpenAI's and vLLM's answers."""
+    def _completion_logprobs(self, c: CompletionOutput, num_top: int, first_offset: int = 0) -> dict:
+        """The legacy ``logprobs`` object: each token's and its ``num_top`` most likely
+        alternatives' (a beam's entries hold all its beam proposed); ``text_offset`` counts from
+        ``first_offset`` (the text already sent, when streaming). A step without
+        log-probabilities (the first prompt token, which has no context) gets null ones, as in
+        OpenAI's and vLLM's answers."""
         tokens = [self._token_text(t) for t in c.token_ids]
         offsets, position = [], first_offset
         for text in tokens:
@@ -287,8 +293,8 @@ class OpenAIServing:
         steps = c.logprobs or [{} for _ in c.token_ids]
         return {"tokens": tokens,
                 "token_logprobs": [None if step is None else step.get(t) for step, t in zip(steps, c.token_ids)],
-                "top_logprobs": [None if step is None else {self._token_text(k): v for k, v in step.items()}
-                                 for step in steps],
+                "top_logprobs": [None if step is None else {self._token_text(k): v for k, v in _top(step, t, num_top)}
+                                 for step, t in zip(steps, c.token_ids)],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput, num_top: int | None) -> dict:
@@ -300,7 +306,7 @@ class OpenAIServing:
         steps = c.logprobs or [{} for _ in c.token_ids]
         content = []
         for token, step in zip(c.token_ids, steps):
-            tops = sorted(step.items(), key=lambda kv: -kv[1])[: num_top or 0]
+            tops = _best(step, num_top or 0)
             content.append({**entry(token, step.get(token)), "top_logprobs": [entry(k, v) for k, v in tops]})
         return {"content": content}
 
@@ -322,6 +328,17 @@ class _Sent:
 
     def advance(self, c: CompletionOutput) -> None:
         self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+
+
+def _best(step: dict, count: int) -> list[tuple[int, float]]:
+    """The ``count`` most likely (token, logprob) pairs of a step's entry, best first."""
+    return sorted(step.items(), key=lambda kv: -kv[1])[:count]
+
+
+def _top(step: dict, token: int, count: int) -> list[tuple[int, float]]:
+    """A step's entry as the legacy ``top_logprobs`` shows it: the chosen token, then the
+    ``count`` most likely."""
+    return [(token, step[token])] * (token in step) + [kv for kv in _best(step, count) if kv[0] != token]
 
 
 def _last(ids: list[int], keep: int | None) -> list[int]:

@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+# Sampling fields a beam search cannot honour, with the values that ask for nothing. vLLM's
+# server ignores them there; this one refuses them rather than answer something else.
+_NOT_FOR_BEAMS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+                  "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": (None, [], ""),
+                  "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}),
+                  "allowed_token_ids": (None,), "best_of": (None,)}
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +69,21 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def engine_params(self, *, max_tokens: int, logprobs: int | None,
+                      best_of: int | None = None) -> SamplingParams | BeamSearchParams:
+        """What the engine runs: ``sampling_params``, or with vLLM's ``use_beam_search`` a beam
+        search keeping the ``n`` best beams. Raises ValueError naming a bad field."""
+        if not self.use_beam_search:
+            return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of)
+        refused = [name for name, unset in _NOT_FOR_BEAMS.items() if getattr(self, name, None) not in unset]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} cannot be used with use_beam_search (beam search does not "
+                             "sample); leave them out")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
+                                ignore_eos=self.ignore_eos)
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
         """Our ``SamplingParams``; raises ValueError naming a bad field."""

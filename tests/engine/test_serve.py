@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, BeamSearchParams, SamplingParams
 from tests.engine.server import SERVER_ARGS, running_server
 
 pytestmark = pytest.mark.slow
@@ -115,6 +115,7 @@ def test_several_prompts_echo_and_logprobs(client):
     ("continue_with_generation_prompt", 400, "continue_final_message needs add_generation_prompt set to false"),
     ("tokenize_continue_with_generation_prompt", 400, "continue_final_message needs add_generation_prompt"),
     ("max_tokens_zero_without_echo", 400, "0 is allowed only with echo"),
+    ("beam_search_with_stop", 400, "top_k, stop cannot be used with use_beam_search"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -149,6 +150,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
         "tokenize_continue_with_generation_prompt": dict(path="/tokenize", json={
             "messages": chat["messages"], "continue_final_message": True}),
         "max_tokens_zero_without_echo": dict(json={**body, "max_tokens": 0}),
+        "beam_search_with_stop": dict(path=CHAT, json={**chat, "use_beam_search": True, "stop": ["."], "top_k": 5}),
     }[case]
     response = http(url, "POST", request.pop("path", path), **request)
     assert response.status_code == status
@@ -157,6 +159,33 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
     if case == "too_long":
         assert "600" in error["message"] or "601" in error["message"]
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_beam_search_is_served_as_vllm_serves_it(client):
+    # vLLM's use_beam_search: the n best beams, best first, as LLM.beam_search finds them.
+    prompt = "The capital of France is"
+    beams = dict(model=MODEL, max_tokens=6, n=3, extra_body={"use_beam_search": True})
+    response = client.completions.create(prompt=prompt, logprobs=2, **beams)
+    llm = LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512, swap_space=0.1, warmup=False)
+    (want,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    generated = [len(s.tokens) - len(response_prompt_ids(llm, prompt)) for s in want.sequences]
+    assert response.usage.completion_tokens == sum(generated)
+    for choice, beam in zip(response.choices, want.sequences, strict=True):
+        assert beam.text.startswith(prompt + choice.text) and choice.text
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(beam.cum_logprob, abs=1e-3)
+        assert all(2 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)  # the chosen token and the best 2
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(messages=messages, **beams)
+    assert len({c.message.content for c in whole.choices}) == 3
+    streamed = {}
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **beams):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in whole.choices]
+
+
+def response_prompt_ids(llm, prompt):
+    return llm.get_tokenizer()(prompt)["input_ids"]
 
 
 def test_sampling_values_beyond_the_arrays_are_served(client):
