@@ -149,6 +149,7 @@ class LLMEngine:
             token_ids = params.truncate(token_ids)
         self.check_prompt(token_ids, request_id)
         self.check_params(params, request_id)
+        bad_word_ids = self._bad_word_ids(params)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
@@ -161,7 +162,8 @@ class LLMEngine:
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))
         request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
-                               seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids))
+                               seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
+                               bad_word_ids=bad_word_ids)
         request.seqs = {seq.seq_id: SeqProgress(index=i) for i, seq in enumerate(group.seqs)}
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -169,6 +171,13 @@ class LLMEngine:
             request.beams = beam_search.start(params.beam_width)
             request.beam_seq_ids = [seq.seq_id for seq in group.seqs]
         self.requests[request_id] = request
+
+    def _bad_word_ids(self, params) -> tuple[tuple[int, ...], ...]:
+        if not getattr(params, "bad_words", ()):
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer, and this model has none")
+        return params.bad_word_ids(self.tokenizer)
 
     def check_prompt(self, token_ids: list[int], request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""

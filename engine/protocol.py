@@ -14,7 +14,7 @@ from engine.sampling_params import BeamSearchParams, SamplingParams
 _NOT_FOR_BEAMS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
                   "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": (None, [], ""),
                   "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}),
-                  "allowed_token_ids": (None,), "best_of": (None,)}
+                  "allowed_token_ids": (None,), "best_of": (None,), "bad_words": (None, [])}
 
 
 class StreamOptions(BaseModel):
@@ -69,6 +69,7 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -96,7 +97,8 @@ class _Sampling(_Request):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias),
-            allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens)
+            allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words or ())
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -56,6 +56,7 @@ class RequestState:
     seed: int
     max_tokens: int
     eos_token_ids: tuple[int, ...]
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     seqs: dict[int, SeqProgress] = dataclasses.field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     beams: beam_search.BeamState | None = None
@@ -92,11 +93,17 @@ class RequestState:
         return 0 if self.is_beam_search else self.seqs[seq_id].index
 
     def banned_tokens(self, seq_id: int) -> tuple[int, ...]:
-        """Tokens this sequence may not produce yet (EOS and stop tokens before ``min_tokens``)."""
-        params = self.params
-        if self.is_beam_search or len(self.seqs[seq_id].token_ids) >= params.min_tokens:
+        """Tokens this sequence may not produce next: EOS and stop tokens before ``min_tokens``,
+        and the last token of every bad word whose other tokens the output ends with (vLLM
+        looks at the generated tokens only)."""
+        if self.is_beam_search:
             return ()
-        return tuple(set(self.eos_token_ids) | set(params.stop_token_ids))
+        generated = self.seqs[seq_id].token_ids
+        banned = {word[-1] for word in self.bad_word_ids
+                  if len(word) == 1 or tuple(generated[-(len(word) - 1):]) == word[:-1]}
+        if len(generated) < self.params.min_tokens:
+            banned |= set(self.eos_token_ids) | set(self.params.stop_token_ids)
+        return tuple(sorted(banned))
 
     def record(self, seq_id: int, token: int, logprob: float, step_logprobs: TokenLogprobs | None,
                tokenizer) -> bool:

@@ -32,7 +32,9 @@ class SamplingParams:
     ``(token, bias)`` pairs; it changes what is sampled, not the log-probabilities reported.
     allowed_token_ids: if given, the only tokens that may be generated (vLLM's; a non-empty
     list of token ids). truncate_prompt_tokens: if given (k >= 1), only the prompt's last k
-    tokens are used (vLLM's left truncation).
+    tokens are used (vLLM's left truncation). bad_words: words never to generate (vLLM's): the
+    last token of each word's tokens (with and without a leading space) is banned whenever the
+    tokens generated so far end with the ones before it.
     """
 
     n: int = 1
@@ -57,6 +59,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self):
         for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -68,6 +71,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
         if self.top_k == -1:
@@ -99,6 +104,19 @@ class SamplingParams:
         """A copy (as vLLM's ``clone``); to change a field, use ``dataclasses.replace``: the
         parameters are frozen."""
         return dataclasses.replace(self)
+
+    def bad_word_ids(self, tokenizer) -> tuple[tuple[int, ...], ...]:
+        """Each of ``bad_words`` as ``tokenizer``'s token ids, as vLLM reads them: the word
+        alone, and with a leading space when that makes different tokens of the same count
+        (a word in mid-text)."""
+        words = []
+        for word in self.bad_words:
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        return tuple(words)
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +166,8 @@ def _check(p: SamplingParams) -> None:
              p.repetition_penalty)
     _require(p.seed is None or isinstance(p.seed, int), "seed", "an integer or None", p.seed)
     _require(all(isinstance(s, str) and s for s in p.stop), "stop", "non-empty strings", p.stop)
+    _require(isinstance(p.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in p.bad_words),
+             "bad_words", "a list of words (non-blank strings)", p.bad_words)
     _require(all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
              "non-negative token ids", p.stop_token_ids)
     _require(p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1), "max_tokens",

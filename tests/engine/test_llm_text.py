@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
+from engine.requests import RequestState, SeqProgress
 from tests.engine.test_llm_parity import COMMON, CONFIGS
 
 pytestmark = pytest.mark.slow
@@ -139,3 +140,39 @@ def test_beam_search_returns_vllm_beam_search_outputs(llm):
         assert all(min(lp.rank for lp in entry.values()) == 1 for entry in beam.logprobs)
         assert beam.finish_reason in ("stop", "length")
     assert " Paris" in out.sequences[0].text
+
+
+def test_bad_words_match_hugging_face_bad_words_ids(llm, hf_smollm2_torch):
+    """vLLM's ``bad_words``: greedy output with " Paris" banned (alone and mid-text) equals HF
+    ``generate`` under the same ``bad_words_ids``, token for token; a two-token bad word has
+    its last token banned only after its first."""
+    import torch
+
+    tokenizer = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"])
+    words = params.bad_word_ids(tokenizer)
+    assert words == (tuple(tokenizer.encode("Paris")), tuple(tokenizer.encode(" Paris")))
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        want = hf_smollm2_torch.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                         bad_words_ids=[list(w) for w in words],
+                                         pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+    assert list(out.token_ids) == want[: len(out.token_ids)]
+    assert "Paris" not in out.text
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert " Paris" in plain.outputs[0].text
+    with pytest.raises(ValueError, match="bad_words must be a list of words"):
+        SamplingParams(bad_words=["ok", " "])
+
+
+def test_a_bad_word_of_several_tokens_bans_its_last_only_after_the_others():
+    request = RequestState("r", None, (1, 2), SamplingParams(min_tokens=1), seed=0, max_tokens=8,
+                           eos_token_ids=(0,), bad_word_ids=((7, 8), (9,)))
+    request.seqs = {0: SeqProgress(index=0)}
+    assert request.banned_tokens(0) == (0, 9)  # EOS before min_tokens; a one-token word always
+    request.seqs[0].token_ids += [7]
+    assert request.banned_tokens(0) == (8, 9)
+    request.seqs[0].token_ids += [5]
+    assert request.banned_tokens(0) == (9,)

@@ -184,6 +184,12 @@ def test_beam_search_is_served_as_vllm_serves_it(client):
     assert [streamed[i] for i in range(3)] == [c.message.content for c in whole.choices]
 
 
+def test_bad_words_are_never_generated(client):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in client.completions.create(**kwargs).choices[0].text
+    assert "Paris" not in client.completions.create(**kwargs, extra_body={"bad_words": ["Paris"]}).choices[0].text
+
+
 def response_prompt_ids(llm, prompt):
     return llm.get_tokenizer()(prompt)["input_ids"]
 
