@@ -159,15 +159,20 @@ def _top_p_floor(logits, top_p):
 
 
 def truncate(logits, batch: SamplingBatch):
-    """Mask (to -inf) what top-k, top-p and min-p remove. logits: float32[rows, vocab], temperature applied."""
+    """Mask (to -inf) what min-p, top-k and top-p remove, in vLLM's order: top-p keeps
+    ``top_p`` of the probability left after the other two (renormalised), not of the whole
+    vocabulary's. (Min-p and top-k both keep the highest logits, so their order is moot.)
+    logits: float32[rows, vocab], temperature applied."""
     keep = jnp.ones(logits.shape, bool)
+    if batch.top_p_or_min_p:
+        keep &= logits >= logits.max(axis=-1, keepdims=True) + jnp.log(jnp.maximum(batch.min_p, 1e-30))[:, None]
     if batch.max_top_k:
         top_values, _ = jax.lax.top_k(logits, batch.max_top_k)
         kth = jnp.take_along_axis(top_values, jnp.clip(batch.top_k - 1, 0, batch.max_top_k - 1)[:, None], axis=-1)
         keep &= (batch.top_k[:, None] <= 0) | (logits >= kth)
     if batch.top_p_or_min_p:
-        keep &= logits >= _top_p_floor(logits, batch.top_p)
-        keep &= logits >= logits.max(axis=-1, keepdims=True) + jnp.log(jnp.maximum(batch.min_p, 1e-30))[:, None]
+        kept = jnp.where(keep, logits, -jnp.inf)
+        keep &= logits >= _top_p_floor(kept, batch.top_p)
     return jnp.where(keep, logits, -jnp.inf)
 
 

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import jax.numpy as jnp
 from engine import Logprob, SamplingParams
-from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf
+from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
 from tests.engine.tiny import prompts, tiny_llm
 
 
@@ -184,6 +184,29 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
         counts = np.bincount([t for t in output[row] if t >= 0], minlength=32)
         expected = expected - frequency * counts - presence * (counts > 0)
         np.testing.assert_allclose(ours[row], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
+    """vLLM's (and HF's) order: top-p measures the probability left after top-k (or min-p),
+    renormalised. Here the top two tokens hold 0.40 and 0.35 of the whole vocabulary; of
+    those two, the first alone holds 0.53, so top_p 0.5 after top_k 2 keeps only it (of the
+    whole vocabulary it would need both)."""
+    probs = np.array([0.40, 0.35, 0.10, 0.08, 0.07], np.float32)
+    rows = 4
+    logits = jnp.asarray(np.log(np.stack([probs] * rows)))
+    zeros = {name: jnp.zeros((rows, 0), jnp.int32) for name in ("output_tokens", "prompt_tokens", "banned",
+                                                                 "bias_tokens", "allowed")}
+    batch = SamplingBatch(
+        temperature=jnp.ones(rows), top_p=jnp.asarray([0.5, 0.5, 0.99, 0.5]),
+        top_k=jnp.asarray([2, 0, 2, 0], jnp.int32), min_p=jnp.asarray([0.0, 0.0, 0.0, 0.8]),
+        presence_penalty=jnp.zeros(rows), frequency_penalty=jnp.zeros(rows), repetition_penalty=jnp.ones(rows),
+        seed=jnp.zeros(rows, jnp.uint32), sample_index=jnp.zeros(rows, jnp.int32), step=jnp.zeros(rows, jnp.int32),
+        bias_values=jnp.zeros((rows, 0)), **zeros, top_p_or_min_p=True, max_top_k=2)
+    kept = np.isfinite(np.asarray(truncate(logits, batch)))
+    assert kept.tolist() == [[True, False, False, False, False],  # top_k 2, then top_p 0.5
+                             [True, True, False, False, False],   # top_p 0.5 alone: 0.40 + 0.35
+                             [True, True, False, False, False],   # top_k 2 alone
+                             [True, False, False, False, False]]  # min_p 0.8 keeps two, then top_p 0.5
 
 
 @pytest.mark.parametrize("field,value,match", [
