@@ -101,7 +101,9 @@ class EngineConfig:
         return self.max_model_len or min(model.max_position_embeddings, window or model.max_position_embeddings)
 
     def scheduler_config(self, model: ModelConfig, spec: pallas_paged.KVCacheSpec) -> SchedulerConfig:
-        max_model_len = self.model_len(model)
+        """The scheduler's budgets. A sequence can never outgrow the device KV cache, so the
+        context is at most what the cache holds (:meth:`model_len` otherwise)."""
+        max_model_len = min(self.model_len(model), spec.num_slots)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         num_host_blocks = int(self.swap_space * _GIB // spec.bytes_per_block)
         return SchedulerConfig(

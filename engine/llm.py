@@ -44,7 +44,8 @@ class LLM:
     num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes, 1 GiB by
     default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
-    max_model_len: prompt plus output limit (default: the model's). enable_prefix_caching:
+    max_model_len: prompt plus output limit (default: the model's; lowered, with a warning, to
+    what the KV cache holds). enable_prefix_caching:
     reuse KV blocks of identical prompt prefixes. preemption_mode: "recompute", "swap", or
     None to choose per request. reservation: "paged" or a baseline of the paper ("orca-max",
     "orca-pow2", "orca-oracle"). seed: for requests without their own. policy: "fcfs"

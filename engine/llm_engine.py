@@ -101,6 +101,10 @@ class LLMEngine:
         spec = config.kv_cache_spec(self.model_config)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
+        if self.max_model_len < config.model_len(self.model_config):
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: max_model_len is lowered to "
+                        "%d (give the cache more blocks to keep it)", spec.num_slots,
+                        config.model_len(self.model_config), self.max_model_len)
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
                                  parallel.cache_sharding(mesh), parallel.cache_sharding(mesh, on_host=True))
         self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
@@ -248,6 +252,8 @@ class LLMEngine:
             if request is not None:
                 request.error = reason
                 touched[request_id] = request
+                if any(seq.token_ids for seq in request.seqs.values()) or request.first_token_time is not None:
+                    log.warning("request %s stopped before its end: %s", request_id, reason)
         blocks_moved = False
         try:
             self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)

@@ -250,7 +250,7 @@ class OpenAIServing:
                     if isinstance(item, InvalidRequestError):
                         raise RequestError(str(item)) from None
                     raise item
-                if item.error is not None and not any(c.token_ids for c in item.outputs):
+                if item.error is not None:  # refused, or stopped part-way (outgrew the KV cache)
                     raise RequestError(item.error)
                 done += item.finished
                 yield index, item

@@ -147,12 +147,20 @@ def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
     assert len(llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)) == 1
 
 
-def test_a_sequence_that_outgrows_the_cache_ends_with_length_and_the_reason(tmp_path):
-    small, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots
-    prompt = prompts(1, hf.config.vocab_size, seed=32)[0][:10]
-    out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
-    assert out.error and out.outputs[0].finish_reason == "length"
-    assert 0 < len(out.outputs[0].token_ids) < 60
+def test_the_context_is_what_the_cache_holds_and_a_group_that_outgrows_it_says_so(tmp_path, caplog):
+    small, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots; max_model_len 128 asked
+    assert small.engine.max_model_len == 32 and "max_model_len is lowered to 32" in caplog.text
+    prompt = prompts(2, hf.config.vocab_size, seed=32)[1][:10]
+    alone = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    assert alone[0].error is None and alone[0].outputs[0].finish_reason == "length"
+    assert len(alone[0].outputs[0].token_ids) == 32 - len(prompt)  # to the context, as at any max_model_len
+    # Three samples of 30 tokens need more than the 32 slots: stopped part-way, with the reason.
+    group = small.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert "KV blocks" in group.error and "stopped before its end" in caplog.text
+    assert all(c.finish_reason == "length" and 0 < len(c.token_ids) < 20 for c in group.outputs)
+    stats = small.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
 
 
 def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_hf):

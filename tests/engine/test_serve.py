@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import httpx
 import openai
@@ -188,6 +190,29 @@ def test_bad_words_are_never_generated(client):
     kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in client.completions.create(**kwargs).choices[0].text
     assert "Paris" not in client.completions.create(**kwargs, extra_body={"bad_words": ["Paris"]}).choices[0].text
+
+
+def test_a_request_that_outgrows_the_kv_cache_is_an_error_not_a_short_answer():
+    # 32 blocks of 16 tokens: the context is lowered to the 512 tokens the cache holds, and
+    # four 200-token samples outgrow it part-way through.
+    with running_server("--num-blocks", "32", "--max-model-len", "2048", "--max-num-seqs", "8") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
+            client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=200)
+        body = {"model": MODEL, "prompt": "Once upon a time", "n": 4, "max_tokens": 200, "temperature": 1.0,
+                "ignore_eos": True}
+        with pytest.raises(openai.BadRequestError, match="KV blocks"):
+            client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                      extra_body={"ignore_eos": True})
+        events = httpx.post(base + "/v1/completions", json={**body, "stream": True}, timeout=120).text
+        assert '"text"' in events and "KV blocks" in events and events.endswith("data: [DONE]\n\n")
+        for _ in range(50):  # the group's blocks are freed
+            metrics = httpx.get(base + "/metrics").text
+            if re.search(r"vllm:kv_cache_usage_perc\{[^}]*\} 0\.0$", metrics, re.MULTILINE):
+                break
+            time.sleep(0.2)
+        assert re.search(r"vllm:kv_cache_usage_perc\{[^}]*\} 0\.0$", metrics, re.MULTILINE)
+        assert re.search(r"vllm:num_requests_running\{[^}]*\} 0\.0$", metrics, re.MULTILINE)
 
 
 def response_prompt_ids(llm, prompt):
