@@ -17,6 +17,9 @@ from engine.protocol import text_content
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import InvalidRequestError
 
+# The paper's Orca baselines that size each reservation by the request's true output length.
+_ORACLE_RESERVATIONS = ("orca-pow2", "orca-oracle")
+
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, object]
 
@@ -138,6 +141,10 @@ class LLM:
         type, a failed step, Ctrl-C), this call's requests are aborted before it propagates,
         so none of them holds blocks or runs in a later call."""
         engine = self.engine
+        if engine.config.reservation in _ORACLE_RESERVATIONS:
+            raise ValueError(f"reservation {engine.config.reservation!r} reserves each request's true output "
+                             "length, which LLM cannot know; give it per request with "
+                             "LLM.engine.add_request(..., expected_output_len=n), or use 'paged' or 'orca-max'")
         order, results = [], {}
         try:
             for prompt, params in requests:

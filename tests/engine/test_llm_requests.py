@@ -192,3 +192,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm_and_hf):
     assert "max_model_len" in llm.generate([long_prompt], greedy, use_tqdm=False)[0].error
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be None or an integer >= 1"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+@pytest.mark.parametrize("reservation", ["orca-oracle", "orca-pow2"])
+def test_oracle_reservations_need_the_engine_api(reservation, tmp_path):
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, reservation=reservation)
+    with pytest.raises(ValueError, match="expected_output_len=n"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), expected_output_len=4)
+    while llm.engine.has_unfinished_requests():
+        outputs = llm.engine.step()
+    assert len(outputs[0].outputs[0].token_ids) == 4
