@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax.numpy as jnp
 
@@ -13,6 +14,19 @@ from models import ModelConfig
 
 DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 _GIB = 2**30
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _at_least(value, low: int, optional: bool = False) -> bool:
+    """An integer >= ``low`` (or None, when ``optional``)."""
+    return (optional and value is None) or (_integer(value) and value >= low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +61,29 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                      "max_model_len", "seed", "tensor_parallel_size"):
+            value = getattr(self, field)  # NumPy integers are integers too
+            if _integer(value) and type(value) is not int:
+                object.__setattr__(self, field, int(value))
         checks = [
             (self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype),
             (self.kv_cache_dtype in DTYPES, "kv_cache_dtype", f"one of {sorted(DTYPES)}", self.kv_cache_dtype),
-            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two up to 256",
-             self.block_size),
-            (self.num_blocks is None or self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks),
-            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes",
+            (_integer(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+             "a power of two up to 256", self.block_size),
+            (_at_least(self.num_blocks, 1, optional=True), "num_blocks", "None or an integer >= 1", self.num_blocks),
+            (_at_least(self.kv_cache_memory, 1, optional=True), "kv_cache_memory", "None or a number of bytes >= 1",
              self.kv_cache_memory),
-            (self.swap_space >= 0, "swap_space", ">= 0 GiB", self.swap_space),
-            (self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs),
-            (self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1", self.tensor_parallel_size),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len),
+            (_number(self.swap_space) and self.swap_space >= 0, "swap_space", "a number of GiB >= 0",
+             self.swap_space),
+            (_at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1", self.max_num_seqs),
+            (_at_least(self.max_num_batched_tokens, 1, optional=True), "max_num_batched_tokens",
+             "None or an integer >= 1", self.max_num_batched_tokens),
+            (_at_least(self.tensor_parallel_size, 1), "tensor_parallel_size", "an integer >= 1",
+             self.tensor_parallel_size),
+            (_at_least(self.max_model_len, 1, optional=True), "max_model_len", "None or an integer >= 1",
+             self.max_model_len),
+            (_integer(self.seed), "seed", "an integer", self.seed),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
              self.preemption_mode),
             (self.reservation in RESERVATIONS, "reservation", f"one of {RESERVATIONS}", self.reservation),
@@ -104,7 +129,7 @@ class EngineConfig:
         """The scheduler's budgets. A sequence can never outgrow the device KV cache, so the
         context is at most what the cache holds (:meth:`model_len` otherwise)."""
         max_model_len = min(self.model_len(model), spec.num_slots)
-        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        batched = max(2048, self.max_num_seqs) if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         num_host_blocks = int(self.swap_space * _GIB // spec.bytes_per_block)
         return SchedulerConfig(
             max_num_batched_tokens=batched,

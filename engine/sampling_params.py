@@ -67,21 +67,18 @@ class SamplingParams:
             value = getattr(self, field)  # NumPy integers (a seed from an RNG, say) are integers too
             if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
                 object.__setattr__(self, field, int(value))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.bad_words, str):
-            object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        for field in ("stop", "stop_token_ids", "bad_words"):  # a list (one string is a list of one)
+            value = getattr(self, field)
+            value = (value,) if isinstance(value, str) else () if value is None else value
+            object.__setattr__(self, field, tuple(value) if isinstance(value, Iterable) else value)
+        object.__setattr__(self, "stop_token_ids", _ints(self.stop_token_ids))
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, (str, bytes)):
-            ids = tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-                        for t in self.allowed_token_ids)
-            object.__setattr__(self, "allowed_token_ids", ids)
+            object.__setattr__(self, "allowed_token_ids", _ints(tuple(self.allowed_token_ids)))
         _check(self)
 
     @functools.cached_property
@@ -151,12 +148,23 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _ints(values):
+    """A tuple's NumPy integers as ints (anything else is left for the checks to name)."""
+    if not isinstance(values, tuple):
+        return values
+    return tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in values)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check(p: SamplingParams) -> None:
-    _require(isinstance(p.n, int) and p.n >= 1, "n", "an integer >= 1", p.n)
-    _require(isinstance(p.best_of, int) and p.best_of >= p.n, "best_of", f"an integer >= n ({p.n})", p.best_of)
+    _require(_integer(p.n) and p.n >= 1, "n", "an integer >= 1", p.n)
+    _require(_integer(p.best_of) and p.best_of >= p.n, "best_of", f"an integer >= n ({p.n})", p.best_of)
     _require(_real(p.temperature) and p.temperature >= 0, "temperature", "a number >= 0", p.temperature)
     _require(_real(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
-    _require(isinstance(p.top_k, int) and p.top_k >= 0, "top_k", "-1, 0 (off) or a positive integer", p.top_k)
+    _require(_integer(p.top_k) and p.top_k >= 0, "top_k", "-1, 0 (off) or a positive integer", p.top_k)
     _require(_real(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
     _require(_real(p.presence_penalty) and -2 <= p.presence_penalty <= 2, "presence_penalty", "in [-2, 2]",
              p.presence_penalty)
@@ -164,20 +172,22 @@ def _check(p: SamplingParams) -> None:
              p.frequency_penalty)
     _require(_real(p.repetition_penalty) and 0 < p.repetition_penalty <= 20, "repetition_penalty", "in (0, 20]",
              p.repetition_penalty)
-    _require(p.seed is None or isinstance(p.seed, int), "seed", "an integer or None", p.seed)
-    _require(all(isinstance(s, str) and s for s in p.stop), "stop", "non-empty strings", p.stop)
+    _require(p.seed is None or _integer(p.seed), "seed", "an integer or None", p.seed)
+    _require(isinstance(p.stop, tuple) and all(isinstance(s, str) and s for s in p.stop), "stop",
+             "a string or a list of non-empty strings", p.stop)
     _require(isinstance(p.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in p.bad_words),
              "bad_words", "a list of words (non-blank strings)", p.bad_words)
-    _require(all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
-             "non-negative token ids", p.stop_token_ids)
-    _require(p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1), "max_tokens",
+    _require(isinstance(p.stop_token_ids, tuple) and all(_integer(t) and t >= 0 for t in p.stop_token_ids),
+             "stop_token_ids", "a list of non-negative token ids", p.stop_token_ids)
+    _require(p.max_tokens is None or (_integer(p.max_tokens) and p.max_tokens >= 1), "max_tokens",
              "an integer >= 1 or None", p.max_tokens)
-    _require(isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= (p.max_tokens or p.min_tokens), "min_tokens",
+    _require(_integer(p.min_tokens) and 0 <= p.min_tokens <= (p.max_tokens or p.min_tokens), "min_tokens",
              f"an integer in [0, max_tokens ({p.max_tokens})]", p.min_tokens)
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
-        _require(value is None or (isinstance(value, int) and 0 <= value <= 20), field, "None or in [0, 20]", value)
-    _require(p.truncate_prompt_tokens is None or (isinstance(p.truncate_prompt_tokens, int)
+        _require(value is None or (_integer(value) and 0 <= value <= 20), field, "None or an integer in [0, 20]",
+                 value)
+    _require(p.truncate_prompt_tokens is None or (_integer(p.truncate_prompt_tokens)
                                                   and p.truncate_prompt_tokens >= 1),
              "truncate_prompt_tokens", "None or an integer >= 1", p.truncate_prompt_tokens)
     allowed = p.allowed_token_ids
@@ -200,9 +210,8 @@ class BeamSearchParams:
 
     def __post_init__(self):
         owner = "BeamSearchParams"
-        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", "an integer >= 1",
+        _require(_integer(self.beam_width) and self.beam_width >= 1, "beam_width", "an integer >= 1",
                  self.beam_width, owner)
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
+        _require(_integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
                  self.max_tokens, owner)
-        _require(math.isfinite(self.length_penalty), "length_penalty", "a finite number", self.length_penalty,
-                 owner)
+        _require(_real(self.length_penalty), "length_penalty", "a finite number", self.length_penalty, owner)

@@ -12,7 +12,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import jax.numpy as jnp
-from engine import Logprob, SamplingParams
+from engine import BeamSearchParams, Logprob, SamplingParams
+from engine.config import EngineConfig
 from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
 from tests.engine.tiny import prompts, tiny_llm
 
@@ -214,7 +215,12 @@ def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("n", 0, "n must be an integer >= 1"),
     ("max_tokens", 0, "max_tokens must be an integer >= 1"),
-    ("logprobs", 50, "logprobs must be None or in"),
+    ("logprobs", 50, "logprobs must be None or an integer in"),
+    ("prompt_logprobs", True, "prompt_logprobs must be None or an integer in"),
+    ("n", True, "n must be an integer >= 1, got True"),
+    ("stop", 5, "stop must be a string or a list of non-empty strings, got 5"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of non-negative token ids, got 5"),
+    ("bad_words", 5, "bad_words must be a list of words"),
     ("top_p", "a", r"top_p must be in \(0, 1\], got 'a'"),
     ("temperature", None, "temperature must be a number >= 0, got None"),
     ("logit_bias", {-1: 1.0}, r"logit_bias must be a mapping from non-negative token ids to numbers in \[-1e\+09"),
@@ -228,6 +234,24 @@ def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
 def test_invalid_sampling_params_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_num_seqs", 2.5, "max_num_seqs must be an integer >= 1, got 2.5"),
+    ("num_blocks", 2.5, "num_blocks must be None or an integer >= 1"),
+    ("block_size", 16.0, "block_size must be a power of two up to 256, got 16.0"),
+    ("swap_space", "4", "swap_space must be a number of GiB >= 0, got '4'"),
+    ("seed", 1.5, "seed must be an integer, got 1.5"),
+    ("max_num_batched_tokens", 0, "max_num_batched_tokens must be None or an integer >= 1, got 0"),
+])
+def test_invalid_engine_settings_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{field: value})
+
+
+def test_beam_search_params_name_a_bad_field():
+    with pytest.raises(ValueError, match="length_penalty must be a finite number, got 'x'"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty="x")
 
 
 def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
