@@ -131,7 +131,7 @@ class OpenAIServing:
         return _ending_with_errors(self._completion_chunks(request, model, plans))
 
     async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = _chunk_writer("cmpl", "text_completion", model)
+        chunk = _chunk_writer("cmpl", "text_completion", model, _includes_usage(request))
         sent: dict[tuple[int, int], _Sent] = {}
         finals = {}
 
@@ -155,7 +155,7 @@ class OpenAIServing:
                               "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if output.finished:
                 finals[prompt_index] = output
-        if request.stream_options and request.stream_options.include_usage:
+        if _includes_usage(request):
             yield chunk([], _usage(plans, [finals[i] for i in range(len(plans))]))
         yield "data: [DONE]\n\n"
 
@@ -198,7 +198,7 @@ class OpenAIServing:
         return _ending_with_errors(self._chat_chunks(request, model, plans))
 
     async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = _chunk_writer("chatcmpl", "chat.completion.chunk", model)
+        chunk = _chunk_writer("chatcmpl", "chat.completion.chunk", model, _includes_usage(request))
         sent: dict[int, _Sent] = {}
         final = None
 
@@ -217,7 +217,7 @@ class OpenAIServing:
                               "logprobs": self._chat_logprobs(delta, request.top_logprobs) if request.logprobs else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             final = output
-        if request.stream_options and request.stream_options.include_usage:
+        if _includes_usage(request):
             yield chunk([], _usage(plans, [final]))
         yield "data: [DONE]\n\n"
 
@@ -386,17 +386,23 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _chunk_writer(prefix: str, kind: str, model: str):
-    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id."""
+def _chunk_writer(prefix: str, kind: str, model: str, with_usage: bool = False):
+    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id. With
+    ``with_usage`` (``stream_options.include_usage``) every chunk has a ``usage`` field, null
+    but in the last, as OpenAI documents."""
     request_id, created = _id(prefix), int(time.time())
 
     def chunk(choices, usage=None):
         body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
-        if usage is not None:
+        if with_usage or usage is not None:
             body["usage"] = usage
         return _sse(body)
 
     return chunk
+
+
+def _includes_usage(request) -> bool:
+    return bool(request.stream_options and request.stream_options.include_usage)
 
 
 def _usage(plans, finals) -> dict:

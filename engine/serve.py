@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import time
 
@@ -15,6 +16,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -81,6 +83,11 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
     async def internal_error(_, error: Exception):  # a bug: the client still gets OpenAI's error shape
         return error_response(f"internal error: {error}", 500, "internal_server_error")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, error: StarletteHTTPException):  # an unknown route, a body that is not UTF-8
+        return error_response(str(error.detail), error.status_code,
+                              "NotFoundError" if error.status_code == 404 else "invalid_request_error")
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, error: RequestValidationError):
         if any(e["type"] == "json_invalid" for e in error.errors()):
@@ -91,6 +98,10 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
     @app.get("/health")
     async def health():
         return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -135,6 +146,14 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
+
+
+def _version() -> str:
+    """The installed distribution's version (vLLM's ``/version``)."""
+    try:
+        return importlib.metadata.version("pallas-paged")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _stream(chunks) -> StreamingResponse:

@@ -62,6 +62,7 @@ def test_streaming_matches_non_streaming(client):
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-2].choices[0].finish_reason == "length"
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # null, as OpenAI sends
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
                                           max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat)
@@ -346,6 +347,12 @@ def test_models_tokenize_detokenize_health(url):
     tokens = http(url, "POST", "/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
     assert http(url, "POST", "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "Hello world"
+    assert http(url, "GET", "/version").json()["version"]
+    for path in ("/v1/completions", "/tokenize"):  # a body that is not UTF-8: OpenAI's error shape
+        response = http(url, "POST", path, content=b'{"prompt": "\xff hi"}', headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    missing = http(url, "GET", "/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
 
 
 def test_load_with_cancellations_leaves_nothing_running(url):
