@@ -155,6 +155,11 @@ class LLMEngine:
         self.check_params(params, request_id)
         bad_word_ids = self._bad_word_ids(params)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        if width > self.config.max_num_seqs:
+            field = "beam_width" if isinstance(params, BeamSearchParams) else "best_of" if params.best_of > params.n else "n"
+            raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
+                                      f"than max_num_seqs={self.config.max_num_seqs}; lower {field} or raise "
+                                      "max_num_seqs")
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         # Prompt log-probabilities need every prompt token's logits, so no prefix-cache hits (as vLLM).

@@ -21,8 +21,10 @@ class SamplingParams:
     cumulative log-probability returned (defaults to ``n``). temperature: 0 means greedy.
     top_p, top_k (0 or -1 = off), min_p: truncate the distribution. presence_penalty,
     frequency_penalty (OpenAI's, over generated tokens) and repetition_penalty (Hugging Face's,
-    over prompt and generated tokens). seed: any integer (taken modulo 2**32); makes this
-    request's samples reproducible whatever else is batched with it. stop / stop_token_ids
+    over prompt and generated tokens). seed: any integer (taken modulo 2**32); the random draws
+    then depend on it alone, not on what else is batched, so runs repeat (the logits of
+    different batch shapes can still differ in the last bits, as in vLLM, and a draw that
+    lands on a boundary between two tokens can flip). stop / stop_token_ids
     end a completion; the text leaves out the stop string, or the text of the stop token or
     EOS, unless include_stop_str_in_output. ignore_eos keeps going past EOS; min_tokens bans
     EOS and stop tokens, and ignores stop strings, until that many are generated. logprobs / prompt_logprobs: how many top alternatives to return

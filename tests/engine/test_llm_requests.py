@@ -204,3 +204,10 @@ def test_oracle_reservations_need_the_engine_api(reservation, tmp_path):
     while llm.engine.has_unfinished_requests():
         outputs = llm.engine.step()
     assert len(outputs[0].outputs[0].token_ids) == 4
+
+
+def test_more_samples_than_max_num_seqs_name_the_field(tmp_path):
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=2)
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=4), use_tqdm=False)
+    assert "best_of=3 needs 3 sequences at once, more than max_num_seqs=2" in out.error
+    assert not llm.engine.has_unfinished_requests()
