@@ -72,6 +72,11 @@ class BlockManagerConfig:
         """Device blocks that admissions and swap-ins leave free."""
         return int(self.watermark * self.num_device_blocks)
 
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens one sequence can hold and still be admitted (or swapped back in) alone."""
+        return (self.num_device_blocks - self.watermark_blocks) * self.block_size
+
 
 @dataclasses.dataclass(frozen=True)
 class SeqBlocks:

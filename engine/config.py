@@ -72,8 +72,8 @@ class EngineConfig:
             (_integer(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
              "a power of two up to 256", self.block_size),
             (_at_least(self.num_blocks, 1, optional=True), "num_blocks", "None or an integer >= 1", self.num_blocks),
-            (_at_least(self.kv_cache_memory, 1, optional=True), "kv_cache_memory", "None or a number of bytes >= 1",
-             self.kv_cache_memory),
+            (self.kv_cache_memory is None or (_number(self.kv_cache_memory) and self.kv_cache_memory >= 1),
+             "kv_cache_memory", "None or a number of bytes >= 1", self.kv_cache_memory),
             (_number(self.swap_space) and self.swap_space >= 0, "swap_space", "a number of GiB >= 0",
              self.swap_space),
             (_at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1", self.max_num_seqs),
@@ -83,7 +83,7 @@ class EngineConfig:
              self.tensor_parallel_size),
             (_at_least(self.max_model_len, 1, optional=True), "max_model_len", "None or an integer >= 1",
              self.max_model_len),
-            (_integer(self.seed), "seed", "an integer", self.seed),
+            (self.seed is None or _integer(self.seed), "seed", "an integer or None", self.seed),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
              self.preemption_mode),
             (self.reservation in RESERVATIONS, "reservation", f"one of {RESERVATIONS}", self.reservation),
@@ -109,7 +109,7 @@ class EngineConfig:
         """The device KV cache for ``model``: ``num_blocks`` or as many as ``kv_cache_memory`` holds."""
         spec = pallas_paged.KVCacheSpec(1, self.block_size, model.num_kv_heads, model.head_dim, model.num_layers,
                                         jnp.dtype(self.cache_dtype))
-        num_blocks = self.num_blocks or max(1, (self.kv_cache_memory or _GIB) // spec.bytes_per_block)
+        num_blocks = self.num_blocks or max(1, int(self.kv_cache_memory or _GIB) // spec.bytes_per_block)
         return dataclasses.replace(spec, num_blocks=num_blocks)
 
     def model_len(self, model: ModelConfig) -> int:
@@ -127,22 +127,22 @@ class EngineConfig:
 
     def scheduler_config(self, model: ModelConfig, spec: pallas_paged.KVCacheSpec) -> SchedulerConfig:
         """The scheduler's budgets. A sequence can never outgrow the device KV cache, so the
-        context is at most what the cache holds (:meth:`model_len` otherwise)."""
-        max_model_len = min(self.model_len(model), spec.num_slots)
-        batched = max(2048, self.max_num_seqs) if self.max_num_batched_tokens is None else self.max_num_batched_tokens
-        num_host_blocks = int(self.swap_space * _GIB // spec.bytes_per_block)
+        context is at most what one sequence can hold there (:meth:`model_len` otherwise)."""
+        blocks = BlockManagerConfig(
+            block_size=self.block_size,
+            num_device_blocks=spec.num_blocks,
+            num_host_blocks=int(self.swap_space * _GIB // spec.bytes_per_block),
+            enable_prefix_caching=self.enable_prefix_caching,
+            reservation=self.reservation,
+            max_model_len=self.model_len(model),
+        )
+        blocks = dataclasses.replace(blocks, max_model_len=min(blocks.max_model_len, blocks.longest_sequence))
         return SchedulerConfig(
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
+            max_num_batched_tokens=max(2048, self.max_num_seqs) if self.max_num_batched_tokens is None
+            else self.max_num_batched_tokens,
+            max_model_len=blocks.max_model_len,
             max_num_seqs=self.max_num_seqs,
             preemption_mode=self.preemption_mode,
             policy=self.policy,
-            block_manager=BlockManagerConfig(
-                block_size=self.block_size,
-                num_device_blocks=spec.num_blocks,
-                num_host_blocks=num_host_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-                reservation=self.reservation,
-                max_model_len=max_model_len,
-            ),
+            block_manager=blocks,
         )

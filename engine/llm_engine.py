@@ -102,9 +102,9 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
         if self.max_model_len < config.model_len(self.model_config):
-            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: max_model_len is lowered to "
-                        "%d (give the cache more blocks to keep it)", spec.num_slots,
-                        config.model_len(self.model_config), self.max_model_len)
+            log.warning("the KV cache holds %d tokens for one sequence, fewer than max_model_len %d: max_model_len "
+                        "is lowered to that (give the cache more blocks to keep it)", self.max_model_len,
+                        config.model_len(self.model_config))
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
                                  parallel.cache_sharding(mesh), parallel.cache_sharding(mesh, on_host=True))
         self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
@@ -153,13 +153,8 @@ class LLMEngine:
             token_ids = params.truncate(token_ids)
         self.check_prompt(token_ids, request_id)
         self.check_params(params, request_id)
-        bad_word_ids = self._bad_word_ids(params)
+        bad_word_ids = params.bad_word_ids(self.tokenizer) if getattr(params, "bad_words", ()) else ()
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
-        if width > self.config.max_num_seqs:
-            field = "beam_width" if isinstance(params, BeamSearchParams) else "best_of" if params.best_of > params.n else "n"
-            raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
-                                      f"than max_num_seqs={self.config.max_num_seqs}; lower {field} or raise "
-                                      "max_num_seqs")
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         # Prompt log-probabilities need every prompt token's logits, so no prefix-cache hits (as vLLM).
@@ -181,13 +176,6 @@ class LLMEngine:
             request.beam_seq_ids = [seq.seq_id for seq in group.seqs]
         self.requests[request_id] = request
 
-    def _bad_word_ids(self, params) -> tuple[tuple[int, ...], ...]:
-        if not getattr(params, "bad_words", ()):
-            return ()
-        if self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs a tokenizer, and this model has none")
-        return params.bad_word_ids(self.tokenizer)
-
     def check_prompt(self, token_ids: list[int], request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""
         if not token_ids:
@@ -203,7 +191,16 @@ class LLMEngine:
                                       f"[0, {vocab})")
 
     def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
-        """Raise ``InvalidRequestError`` for parameters naming tokens the model does not have."""
+        """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
+        than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        if width > self.config.max_num_seqs:
+            field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
+                     else "best_of" if params.best_of > params.n else "n")
+            raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
+                                      f"than max_num_seqs={self.config.max_num_seqs}; lower it or raise max_num_seqs")
+        if getattr(params, "bad_words", ()) and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
         vocab = self.model_config.vocab_size
         for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
                            ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:

@@ -338,7 +338,8 @@ def _best(step: dict, count: int) -> list[tuple[int, float]]:
 def _top(step: dict, token: int, count: int) -> list[tuple[int, float]]:
     """A step's entry as the legacy ``top_logprobs`` shows it: the chosen token, then the
     ``count`` most likely."""
-    return [(token, step[token])] * (token in step) + [kv for kv in _best(step, count) if kv[0] != token]
+    chosen = [(token, step[token])] if token in step else []
+    return chosen + [kv for kv in _best(step, count) if kv[0] != token]
 
 
 def _last(ids: list[int], keep: int | None) -> list[int]:

@@ -2,7 +2,8 @@
 
 Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``)
 and tokens outside a row's allowed list,
-temperature, then top-k, top-p and min-p truncation, then one draw from what is left. Greedy
+temperature, then min-p, top-k and top-p truncation (top-p of what the other two leave), then
+one draw from what is left. Greedy
 rows take the arg-max of the biased and penalised logits. Each row's random number is a Threefry hash of
 its request's seed, its sample index and its step, so a seeded request samples the same
 tokens whatever else is in the batch. Reported log-probabilities are the model's own (raw

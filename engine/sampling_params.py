@@ -112,8 +112,8 @@ class SamplingParams:
         for word in self.bad_words:
             alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            words.append(alone)
-            if spaced[0] != alone[0] and len(spaced) == len(alone):
+            words += [alone] if alone else []
+            if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 words.append(spaced)
         return tuple(words)
 
@@ -212,6 +212,10 @@ class BeamSearchParams:
 
     def __post_init__(self):
         owner = "BeamSearchParams"
+        for field in ("beam_width", "max_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, field, int(value))
         _require(_integer(self.beam_width) and self.beam_width >= 1, "beam_width", "an integer >= 1",
                  self.beam_width, owner)
         _require(_integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",

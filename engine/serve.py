@@ -85,8 +85,10 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, error: StarletteHTTPException):  # an unknown route, a body that is not UTF-8
-        return error_response(str(error.detail), error.status_code,
-                              "NotFoundError" if error.status_code == 404 else "invalid_request_error")
+        response = error_response(str(error.detail), error.status_code,
+                                  "NotFoundError" if error.status_code == 404 else "invalid_request_error")
+        response.headers.update(error.headers or {})  # e.g. Allow, on a 405
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, error: RequestValidationError):

@@ -54,21 +54,28 @@ def test_a_stopped_engine_refuses_new_requests_at_once(llm_and_hf):
         asyncio.run(asyncio.wait_for(_tokens(engine, [5, 6, 7], SamplingParams(max_tokens=2), "late"), 10))
 
 
-def test_a_prompt_the_cache_can_never_hold_is_refused_streamed_or_not(tmp_path):
+def test_what_the_cache_can_never_hold_is_refused_streamed_or_not(tmp_path):
+    """A prompt over the cache's 32 slots (the context is lowered to them) is a 400 before
+    anything streams; samples that together outgrow the cache part-way are a 400 too, or an
+    error event ending the stream."""
     small, _ = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots
     engine = AsyncLLMEngine(small.engine)
     serving = OpenAIServing(engine, ["tiny"])
-    prompt = list(range(3, 43))  # 40 tokens
+    long_prompt, prompt = list(range(3, 43)), list(range(3, 13))  # 40 and 10 tokens
+    group = dict(prompt=prompt, n=3, temperature=1.0, max_tokens=20, ignore_eos=True)
 
     async def events():
-        return [event async for event in serving.completion_stream(
-            CompletionRequest(prompt=prompt, max_tokens=4, stream=True))]
+        return [event async for event in serving.completion_stream(CompletionRequest(**group, stream=True))]
 
     try:
-        with pytest.raises(RequestError) as refused:
-            asyncio.run(serving.completion(CompletionRequest(prompt=prompt, max_tokens=4)))
-        assert refused.value.status == 400 and "block" in str(refused.value)
-        *_, error, done = asyncio.run(events())
+        for request in (serving.completion, serving.completion_stream):
+            with pytest.raises(RequestError, match="max_model_len is 32") as refused:
+                asyncio.run(request(CompletionRequest(prompt=long_prompt, max_tokens=4, stream=False)))
+            assert refused.value.status == 400
+        with pytest.raises(RequestError, match="KV blocks") as outgrown:
+            asyncio.run(serving.completion(CompletionRequest(**group)))
+        assert outgrown.value.status == 400
+        *_, error, done = asyncio.run(events())  # (this model has no tokenizer, so no text went out first)
         assert json.loads(error.removeprefix("data: "))["error"]["code"] == 400 and done == "data: [DONE]\n\n"
     finally:
         engine.shutdown()

@@ -149,7 +149,7 @@ def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
 
 def test_the_context_is_what_the_cache_holds_and_a_group_that_outgrows_it_says_so(tmp_path, caplog):
     small, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots; max_model_len 128 asked
-    assert small.engine.max_model_len == 32 and "max_model_len is lowered to 32" in caplog.text
+    assert small.engine.max_model_len == 32 and "max_model_len is lowered to that" in caplog.text
     prompt = prompts(2, hf.config.vocab_size, seed=32)[1][:10]
     alone = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     assert alone[0].error is None and alone[0].outputs[0].finish_reason == "length"

@@ -188,8 +188,8 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
 
 
 def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
-    """vLLM's (and HF's) order: top-p measures the probability left after top-k (or min-p),
-    renormalised. Here the top two tokens hold 0.40 and 0.35 of the whole vocabulary; of
+    """vLLM's order: top-p measures the probability left after top-k and min-p, renormalised
+    (HF's too for top-k; HF applies min-p after top-p). Here the top two tokens hold 0.40 and 0.35 of the whole vocabulary; of
     those two, the first alone holds 0.53, so top_p 0.5 after top_k 2 keeps only it (of the
     whole vocabulary it would need both)."""
     probs = np.array([0.40, 0.35, 0.10, 0.08, 0.07], np.float32)
@@ -241,7 +241,7 @@ def test_invalid_sampling_params_name_the_field(field, value, match):
     ("num_blocks", 2.5, "num_blocks must be None or an integer >= 1"),
     ("block_size", 16.0, "block_size must be a power of two up to 256, got 16.0"),
     ("swap_space", "4", "swap_space must be a number of GiB >= 0, got '4'"),
-    ("seed", 1.5, "seed must be an integer, got 1.5"),
+    ("seed", 1.5, "seed must be an integer or None, got 1.5"),
     ("max_num_batched_tokens", 0, "max_num_batched_tokens must be None or an integer >= 1, got 0"),
 ])
 def test_invalid_engine_settings_name_the_field(field, value, match):

@@ -143,9 +143,10 @@ def test_beam_search_returns_vllm_beam_search_outputs(llm):
 
 
 def test_bad_words_match_hugging_face_bad_words_ids(llm, hf_smollm2_torch):
-    """vLLM's ``bad_words``: greedy output with " Paris" banned (alone and mid-text) equals HF
-    ``generate`` under the same ``bad_words_ids``, token for token; a two-token bad word has
-    its last token banned only after its first."""
+    """vLLM's ``bad_words``: greedy output with "Paris" banned (alone and mid-text) equals HF
+    ``generate`` under the same ``bad_words_ids``, token for token. (Each is one token here:
+    for longer words HF matches the prefix in the prompt too, vLLM in the output only; the
+    next test covers those.)"""
     import torch
 
     tokenizer = llm.get_tokenizer()

@@ -119,6 +119,7 @@ def test_several_prompts_echo_and_logprobs(client):
     ("tokenize_continue_with_generation_prompt", 400, "continue_final_message needs add_generation_prompt"),
     ("max_tokens_zero_without_echo", 400, "0 is allowed only with echo"),
     ("beam_search_with_stop", 400, "top_k, stop cannot be used with use_beam_search"),
+    ("too_many_samples_streamed", 400, "n=65 needs 65 sequences at once, more than max_num_seqs=64"),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case, status, fragment):
     path, body = "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -154,6 +155,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(url, client, case
             "messages": chat["messages"], "continue_final_message": True}),
         "max_tokens_zero_without_echo": dict(json={**body, "max_tokens": 0}),
         "beam_search_with_stop": dict(path=CHAT, json={**chat, "use_beam_search": True, "stop": ["."], "top_k": 5}),
+        "too_many_samples_streamed": dict(json={**body, "n": 65, "stream": True}),
     }[case]
     response = http(url, "POST", request.pop("path", path), **request)
     assert response.status_code == status
