@@ -337,11 +337,12 @@ class LLMEngine:
         for row, i in zip(rows, indices):
             token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
             step_logprobs = None
+            tokenizer = self._detokenizer(request)
             if request.num_logprobs is not None:
-                step_logprobs = token_logprobs(self.tokenizer, (token, logprob, int(sampled.ranks[i])),
+                step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[i])),
                                                sampled.top_tokens[i, : request.num_logprobs].tolist(),
                                                sampled.top_logprobs[i, : request.num_logprobs].tolist())
-            stop = request.record(row.seq_id, token, logprob, step_logprobs, self.tokenizer)
+            stop = request.record(row.seq_id, token, logprob, step_logprobs, tokenizer)
             self.counters.generation_tokens += 1
             actions.append(Append(row.seq_id, token))
             if stop:
@@ -401,8 +402,12 @@ class LLMEngine:
             top = request.params.prompt_logprobs  # 0: the prompt token's own only
             for j in range(len(wanted)):
                 request.prompt_logprobs.append(token_logprobs(
-                    self.tokenizer, (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
+                    self._detokenizer(request), (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
                     top_tokens[j, :top].tolist(), top_logprobs[j, :top].tolist()))
+
+    def _detokenizer(self, request: RequestState):
+        """The tokenizer that turns ``request``'s tokens into text, or None with ``detokenize=False``."""
+        return self.tokenizer if getattr(request.params, "detokenize", True) else None
 
     def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Outputs of the changed requests; finished ones leave the engine."""

@@ -36,7 +36,8 @@ class SamplingParams:
     list of token ids). truncate_prompt_tokens: if given (k >= 1), only the prompt's last k
     tokens are used (vLLM's left truncation). bad_words: words never to generate (vLLM's): the
     last token of each word's tokens (with and without a leading space) is banned whenever the
-    tokens generated so far end with the ones before it.
+    tokens generated so far end with the ones before it. detokenize: False leaves the text
+    empty and log-probabilities without decoded tokens (token ids only; no stop strings).
     """
 
     n: int = 1
@@ -62,6 +63,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None
     bad_words: tuple[str, ...] = ()
+    detokenize: bool = True
 
     def __post_init__(self):
         for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -177,6 +179,9 @@ def _check(p: SamplingParams) -> None:
     _require(p.seed is None or _integer(p.seed), "seed", "an integer or None", p.seed)
     _require(isinstance(p.stop, tuple) and all(isinstance(s, str) and s for s in p.stop), "stop",
              "a string or a list of non-empty strings", p.stop)
+    _require(isinstance(p.detokenize, bool), "detokenize", "True or False", p.detokenize)
+    _require(p.detokenize or not p.stop, "stop", "empty when detokenize is False (stop strings are matched in "
+             "the text)", p.stop)
     _require(isinstance(p.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in p.bad_words),
              "bad_words", "a list of words (non-blank strings)", p.bad_words)
     _require(isinstance(p.stop_token_ids, tuple) and all(_integer(t) and t >= 0 for t in p.stop_token_ids),

@@ -177,3 +177,14 @@ def test_a_bad_word_of_several_tokens_bans_its_last_only_after_the_others():
     assert request.banned_tokens(0) == (8, 9)
     request.seqs[0].token_ids += [5]
     assert request.banned_tokens(0) == (9,)
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    plain = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    ids_only = SamplingParams(temperature=0, max_tokens=8, logprobs=2, detokenize=False)
+    with_text, without = (o.outputs[0] for o in llm.generate(["The capital of France is"] * 2, [plain, ids_only],
+                                                               use_tqdm=False))
+    assert without.token_ids == with_text.token_ids and with_text.text and without.text == ""
+    assert all(lp.decoded_token is None for step in without.logprobs for lp in step.values())
+    with pytest.raises(ValueError, match="stop must be empty when detokenize is False"):
+        SamplingParams(stop=["."], detokenize=False)
