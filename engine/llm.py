@@ -83,7 +83,8 @@ class LLM:
         ``{"prompt_token_ids": ...}`` dict); outputs come back in input order.
 
         A request that cannot run (e.g. a prompt longer than max_model_len) comes back with
-        ``error`` set and no outputs; the others are unaffected.
+        ``error`` set and no outputs, one stopped part-way (its samples outgrew the KV cache)
+        with ``error`` set and what it generated; the others are unaffected.
         """
         prompts = _as_list(prompts)
         params = _params_for(prompts, sampling_params or SamplingParams(), SamplingParams, "LLM.beam_search")

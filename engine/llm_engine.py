@@ -154,7 +154,7 @@ class LLMEngine:
         self.check_prompt(token_ids, request_id)
         self.check_params(params, request_id)
         bad_word_ids = params.bad_word_ids(self.tokenizer) if getattr(params, "bad_words", ()) else ()
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         # Prompt log-probabilities need every prompt token's logits, so no prefix-cache hits (as vLLM).
@@ -193,10 +193,10 @@ class LLMEngine:
     def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
         than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
         if width > self.config.max_num_seqs:
             field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
-                     else "best_of" if params.best_of > params.n else "n")
+                     else "best_of" if width > params.n else "n")
             raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
                                       f"than max_num_seqs={self.config.max_num_seqs}; lower it or raise max_num_seqs")
         if getattr(params, "bad_words", ()) and self.tokenizer is None:

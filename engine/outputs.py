@@ -70,8 +70,9 @@ class RequestOutput:
     """Everything produced so far for one request.
 
     prompt_logprobs: one entry per prompt token (None for the first, which has no context).
-    error: why the request was refused (e.g. prompt longer than max_model_len); then
-    ``outputs`` are empty and ``finished`` is True.
+    error: why the request was refused (e.g. prompt longer than max_model_len; then
+    ``outputs`` are empty) or stopped part-way (its samples outgrew the KV cache; then
+    ``outputs`` hold what they generated); ``finished`` is True either way.
     """
 
     request_id: str

@@ -156,7 +156,7 @@ class RequestState:
         completions = [seq.completion(held_back) for seq in self.seqs.values()]
         if self.is_beam_search:
             completions = self._beam_completions(tokenizer)
-        elif self.finished and self.params.best_of > self.params.n:
+        elif self.finished and self.params.num_candidates > self.params.n:
             completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
             completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
         finished = self.finished

@@ -18,7 +18,7 @@ class SamplingParams:
     """How to generate for one request. Invalid values raise ``ValueError`` naming the field.
 
     n: completions returned. best_of: candidates generated, the ``n`` with the highest
-    cumulative log-probability returned (defaults to ``n``). temperature: 0 means greedy.
+    cumulative log-probability returned (None: ``n``). temperature: 0 means greedy.
     top_p, top_k (0 or -1 = off), min_p: truncate the distribution. presence_penalty,
     frequency_penalty (OpenAI's, over generated tokens) and repetition_penalty (Hugging Face's,
     over prompt and generated tokens). seed: any integer (taken modulo 2**32); the random draws
@@ -76,8 +76,6 @@ class SamplingParams:
             value = (value,) if isinstance(value, str) else () if value is None else value
             object.__setattr__(self, field, tuple(value) if isinstance(value, Iterable) else value)
         object.__setattr__(self, "stop_token_ids", _ints(self.stop_token_ids))
-        if self.best_of is None:
-            object.__setattr__(self, "best_of", self.n)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -118,6 +116,12 @@ class SamplingParams:
             if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 words.append(spaced)
         return tuple(words)
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated: ``best_of``, or ``n`` when it is None (kept unresolved, so
+        ``dataclasses.replace(params, n=...)`` moves both)."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:
@@ -165,7 +169,8 @@ def _integer(x) -> bool:
 
 def _check(p: SamplingParams) -> None:
     _require(_integer(p.n) and p.n >= 1, "n", "an integer >= 1", p.n)
-    _require(_integer(p.best_of) and p.best_of >= p.n, "best_of", f"an integer >= n ({p.n})", p.best_of)
+    _require(p.best_of is None or (_integer(p.best_of) and p.best_of >= p.n), "best_of",
+             f"None (= n) or an integer >= n ({p.n})", p.best_of)
     _require(_real(p.temperature) and p.temperature >= 0, "temperature", "a number >= 0", p.temperature)
     _require(_real(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
     _require(_integer(p.top_k) and p.top_k >= 0, "top_k", "-1, 0 (off) or a positive integer", p.top_k)
@@ -202,8 +207,7 @@ def _check(p: SamplingParams) -> None:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)), "allowed_token_ids",
         "None or a non-empty list of non-negative token ids", allowed)
     if p.greedy:
-        _require(p.best_of == 1 or p.n == p.best_of, "best_of", "equal to n when temperature is 0 (greedy)",
-                 p.best_of)
+        _require(p.num_candidates in (1, p.n), "best_of", "equal to n when temperature is 0 (greedy)", p.best_of)
 
 
 @dataclasses.dataclass(frozen=True)

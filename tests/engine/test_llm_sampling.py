@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -315,8 +316,12 @@ def test_logit_bias_on_an_unknown_token_is_refused_and_holds_nothing(llm_and_hf)
 def test_numpy_integers_are_integers_and_clone_copies():
     params = SamplingParams(n=np.int64(2), seed=np.int64(7), max_tokens=np.int32(5), top_k=np.int16(3))
     assert (params.n, params.seed, params.max_tokens, params.top_k) == (2, 7, 5, 3)
-    assert all(type(v) is int for v in (params.n, params.best_of, params.seed, params.max_tokens, params.top_k))
+    assert all(type(v) is int for v in (params.n, params.num_candidates, params.seed, params.max_tokens,
+                                        params.top_k))
     assert params.clone() == params and params.clone() is not params
+    # best_of stays unset, so replacing n moves the candidates with it (as the README suggests)
+    assert dataclasses.replace(SamplingParams(), n=3).num_candidates == 3
+    assert dataclasses.replace(SamplingParams(n=4, temperature=0.8), n=1).num_candidates == 1
 
 
 def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_hf):
