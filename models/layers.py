@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, ModelLoadError
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -117,15 +117,33 @@ def logits(params, h):
                                preferred_element_type=jnp.float32)
 
 
-def linear_from_hf(get, name: str, bias: bool):
-    """HF linear ``name`` (``.weight: [out, in]``, ``.bias: [out]``) → a linear in this layout."""
-    weight = get(name + ".weight").T
-    return {"w": weight, "b": get(name + ".bias")} if bias else {"w": weight}
+def tensor_from_hf(get, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor ``name``, which must have the ``shape`` the config implies (see :func:`checked`)."""
+    return checked(get(name), name, shape)
+
+
+def checked(array: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``array`` (HF tensor ``name``) if it has ``shape``: a checkpoint whose config disagrees
+    with its tensors (a vocabulary of 300 over 256 embedding rows, say) is refused here, as HF
+    refuses it, rather than run wrongly."""
+    if tuple(array.shape) != tuple(shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
+                             f"{tuple(shape)}; the config and the weights disagree")
+    return array
+
+
+def linear_from_hf(get, name: str, bias: bool, shape: tuple[int, int]):
+    """HF linear ``name`` (``.weight: [out, in]`` = ``shape``, ``.bias: [out]``) → a linear in this layout."""
+    weight = tensor_from_hf(get, name + ".weight", shape).T
+    return {"w": weight, "b": tensor_from_hf(get, name + ".bias", shape[:1])} if bias else {"w": weight}
 
 
 def attention_from_hf(get, prefix: str, out_name: str, config: ModelConfig):
     """HF ``{prefix}q_proj``, ``k_proj``, ``v_proj`` and ``{prefix}{out_name}`` → the attention
     linears, with biases as ``config.attention_bias`` (Q, K, V) and ``attention_out_bias`` say."""
-    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
-    linears = {key: linear_from_hf(get, prefix + name, config.attention_bias) for key, name in names.items()}
-    return {**linears, "o": linear_from_hf(get, prefix + out_name, config.attention_out_bias)}
+    hidden, queries, keys = (config.hidden_size, config.num_heads * config.head_dim,
+                             config.num_kv_heads * config.head_dim)
+    shapes = {"q": ("q_proj", queries), "k": ("k_proj", keys), "v": ("v_proj", keys)}
+    linears = {key: linear_from_hf(get, prefix + name, config.attention_bias, (out, hidden))
+               for key, (name, out) in shapes.items()}
+    return {**linears, "o": linear_from_hf(get, prefix + out_name, config.attention_out_bias, (hidden, queries))}

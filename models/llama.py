@@ -51,21 +51,23 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
     put(tree) turns a NumPy tree into device arrays, so at most one layer is
     held twice.
     """
+    hidden = (config.hidden_size,)
     params = {
-        "embed": put(get("model.embed_tokens.weight")),
+        "embed": put(layers.tensor_from_hf(get, "model.embed_tokens.weight", (config.vocab_size, *hidden))),
         "layers": [put(_layer_from_hf(config, get, f"model.layers.{i}.")) for i in range(config.num_layers)],
-        "final_norm": put({"scale": get("model.norm.weight")}),
+        "final_norm": put({"scale": layers.tensor_from_hf(get, "model.norm.weight", hidden)}),
     }
     if not config.tie_word_embeddings:
-        params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", bias=False))
+        params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", False, (config.vocab_size, *hidden)))
     return params
 
 
 def _layer_from_hf(config: ModelConfig, get, prefix: str):
-    mlp = prefix + "mlp."
+    mlp, hidden, inner = prefix + "mlp.", config.hidden_size, config.intermediate_size
+    shapes = {"gate": (inner, hidden), "up": (inner, hidden), "down": (hidden, inner)}
     return {
-        "attn_norm": {"scale": get(prefix + "input_layernorm.weight")},
+        "attn_norm": {"scale": layers.tensor_from_hf(get, prefix + "input_layernorm.weight", (hidden,))},
         **layers.attention_from_hf(get, prefix + "self_attn.", "o_proj", config),
-        "mlp_norm": {"scale": get(prefix + "post_attention_layernorm.weight")},
-        **{key: layers.linear_from_hf(get, f"{mlp}{key}_proj", config.mlp_bias) for key in ("gate", "up", "down")},
+        "mlp_norm": {"scale": layers.tensor_from_hf(get, prefix + "post_attention_layernorm.weight", (hidden,))},
+        **{key: layers.linear_from_hf(get, f"{mlp}{key}_proj", config.mlp_bias, shape) for key, shape in shapes.items()},
     }

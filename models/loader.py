@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from models import gguf_cache, gguf_file, llama, opt
 from models.config import ModelConfig, ModelLoadError, from_gguf, from_hf
@@ -112,8 +112,23 @@ def _listing(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())[:20]
 
 
+def _hf_config(path: Path) -> dict[str, Any]:
+    """``config.json`` with the defaults HF's config class gives the keys it leaves out (Mistral's
+    4096-token window, say), so the model runs as HF and vLLM run it."""
+    file = path / "config.json"
+    try:
+        written = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{file} is not valid JSON: {error}") from None
+    try:
+        defaults = AutoConfig.from_pretrained(path).to_dict()
+    except Exception:  # noqa: BLE001 - a model type HF does not know: from_hf says what is wrong
+        defaults = {}
+    return {**defaults, **written}
+
+
 def _load_hf_dir(path: Path, put) -> LoadedModel:
-    config = _with_generation_eos(from_hf(json.loads((path / "config.json").read_text())), path)
+    config = _with_generation_eos(from_hf(_hf_config(path)), path)
     reader = _pytorch_bin_reader if _bin_files(path) and not _has_safetensors(path) else _safetensors_reader
     with reader(path) as get:
         params = ARCHITECTURES[config.architecture].params_from_hf(config, get, put)
@@ -154,6 +169,14 @@ def _pytorch_bin_reader(path: Path):
     yield get
 
 
+def _opened(file: Path):
+    """``safe_open(file)``; a missing or unreadable file is a ``ModelLoadError`` naming it."""
+    try:
+        return safe_open(file, framework="flax")
+    except Exception as error:  # noqa: BLE001 - safetensors' own errors do not name the file
+        raise ModelLoadError(f"cannot read {file} as safetensors: {error}") from None
+
+
 @contextlib.contextmanager
 def _safetensors_reader(path: Path):
     """Yield ``get(name) -> np.ndarray`` over the directory's safetensors files, opened lazily."""
@@ -161,7 +184,7 @@ def _safetensors_reader(path: Path):
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
     elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="flax") as f:
+        with _opened(path / "model.safetensors") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         raise ModelLoadError(f"{path} has no model.safetensors, model.safetensors.index.json or "
@@ -174,7 +197,7 @@ def _safetensors_reader(path: Path):
                 raise ModelLoadError(f"the checkpoint in {path} has no tensor {name!r}")
             file = weight_map[name]
             if file not in files:
-                files[file] = stack.enter_context(safe_open(path / file, framework="flax"))
+                files[file] = stack.enter_context(_opened(path / file))
             return np.asarray(files[file].get_tensor(name))
 
         yield get

@@ -67,18 +67,19 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
         raise ModelLoadError(f"OPT activation {config.activation!r} is not supported; "
                              f"supported: {', '.join(layers.ACTIVATIONS)}")
     root, embed = _decoder_root(get)
+    hidden, words = config.hidden_size, config.word_embed_proj_dim
     params = {
-        "embed": put(embed),
+        "embed": put(layers.checked(embed, root + "embed_tokens.weight", (config.vocab_size, words))),
         "pos_embed": put(get(root + "embed_positions.weight")),
         "layers": [put(_layer_from_hf(config, get, f"{root}layers.{i}.")) for i in range(config.num_layers)],
     }
-    if config.word_embed_proj_dim != config.hidden_size:
-        params["project_in"] = put(layers.linear_from_hf(get, root + "project_in", bias=False))
-        params["project_out"] = put(layers.linear_from_hf(get, root + "project_out", bias=False))
+    if words != hidden:
+        params["project_in"] = put(layers.linear_from_hf(get, root + "project_in", False, (hidden, words)))
+        params["project_out"] = put(layers.linear_from_hf(get, root + "project_out", False, (words, hidden)))
     if config.final_layer_norm:
         params["final_norm"] = put(_norm_from_hf(config, get, root + "final_layer_norm"))
     if not config.tie_word_embeddings:
-        params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", bias=False))
+        params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", False, (config.vocab_size, words)))
     return params
 
 
@@ -96,8 +97,8 @@ def _layer_from_hf(config: ModelConfig, get, prefix: str):
         "attn_norm": _norm_from_hf(config, get, prefix + "self_attn_layer_norm"),
         **layers.attention_from_hf(get, prefix + "self_attn.", "out_proj", config),
         "mlp_norm": _norm_from_hf(config, get, prefix + "final_layer_norm"),
-        "fc1": layers.linear_from_hf(get, prefix + "fc1", config.mlp_bias),
-        "fc2": layers.linear_from_hf(get, prefix + "fc2", config.mlp_bias),
+        "fc1": layers.linear_from_hf(get, prefix + "fc1", config.mlp_bias, (config.intermediate_size, config.hidden_size)),
+        "fc2": layers.linear_from_hf(get, prefix + "fc2", config.mlp_bias, (config.hidden_size, config.intermediate_size)),
     }
 
 

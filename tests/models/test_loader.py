@@ -62,6 +62,45 @@ def test_unsupported_rope_scaling(tmp_path):
         models.load_model(tmp_path)
 
 
+def _edit_config(directory, drop=(), **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config = {key: value for key, value in {**config, **changes}.items() if key not in drop}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_keys_a_config_leaves_out_take_hf_defaults(tmp_path):
+    # Mistral without "sliding_window": HF's MistralConfig says 4096, and so must the engine,
+    # or a longer context would silently attend past the window the model was trained with.
+    build_hf_model("mistral", tmp_path)
+    _edit_config(tmp_path, drop=("sliding_window", "max_position_embeddings"))
+    config, _, _ = models.load_model(tmp_path)
+    assert config.sliding_window == 4096 and config.max_position_embeddings == 131072
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(vocab_size=300), r"'model.embed_tokens.weight' has shape \(256, 64\), but the config implies \(300, 64\)"),
+    (dict(num_key_value_heads=4), r"'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\), but the config "
+                                  r"implies \(64, 64\)"),
+    (dict(intermediate_size=64), r"'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\)"),
+])
+def test_a_config_that_disagrees_with_the_weights_is_refused(tmp_path, change, fragment):
+    build_hf_model("llama_gqa_tied", tmp_path)
+    _edit_config(tmp_path, **change)
+    with pytest.raises(ModelLoadError, match=fragment):
+        models.load_model(tmp_path)
+
+
+def test_corrupt_files_are_named(tmp_path):
+    build_hf_model("opt", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot read .*model.safetensors as safetensors"):
+        models.load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "opt",')
+    with pytest.raises(ModelLoadError, match="config.json is not valid JSON"):
+        models.load_model(tmp_path)
+
+
 def test_unknown_gguf_architecture(tmp_path):
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
