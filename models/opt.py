@@ -70,7 +70,8 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
     hidden, words = config.hidden_size, config.word_embed_proj_dim
     params = {
         "embed": put(layers.checked(embed, root + "embed_tokens.weight", (config.vocab_size, words))),
-        "pos_embed": put(get(root + "embed_positions.weight")),
+        "pos_embed": put(layers.tensor_from_hf(get, root + "embed_positions.weight",
+                                               (config.max_position_embeddings + POSITION_OFFSET, hidden))),
         "layers": [put(_layer_from_hf(config, get, f"{root}layers.{i}.")) for i in range(config.num_layers)],
     }
     if words != hidden:
@@ -105,4 +106,6 @@ def _layer_from_hf(config: ModelConfig, get, prefix: str):
 def _norm_from_hf(config: ModelConfig, get, name: str):
     if not config.layer_norm_affine:
         return {}
-    return {"scale": get(name + ".weight"), "bias": get(name + ".bias")}
+    shape = (config.hidden_size,)
+    return {"scale": layers.tensor_from_hf(get, name + ".weight", shape),
+            "bias": layers.tensor_from_hf(get, name + ".bias", shape)}

@@ -90,6 +90,14 @@ def test_a_config_that_disagrees_with_the_weights_is_refused(tmp_path, change, f
         models.load_model(tmp_path)
 
 
+def test_an_opt_position_table_shorter_than_the_config_says_is_refused(tmp_path):
+    build_hf_model("opt", tmp_path)
+    _edit_config(tmp_path, max_position_embeddings=256)  # the table has 128 + 2 rows
+    with pytest.raises(ModelLoadError, match=r"embed_positions.weight' has shape \(130, 64\), but the config "
+                                             r"implies \(258, 64\)"):
+        models.load_model(tmp_path)
+
+
 def test_corrupt_files_are_named(tmp_path):
     build_hf_model("opt", tmp_path)
     weights = tmp_path / "model.safetensors"
