@@ -92,7 +92,7 @@ def from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Build a config from a Hugging Face ``config.json`` dict."""
     model_type = hf.get("model_type")
     builders = {"llama": _llama_from_hf, "opt": _opt_from_hf}
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
             f"supported: {', '.join(HF_MODEL_TYPES)}")

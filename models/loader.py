@@ -120,12 +120,13 @@ def _hf_config(path: Path) -> dict[str, Any]:
         written = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{file} is not valid JSON: {error}") from None
-    if written.get("model_type") not in CONFIG_MAPPING:
+    model_type = written.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return written  # a model type HF does not know: from_hf says what is wrong
     try:
         defaults = AutoConfig.from_pretrained(path).to_dict()
     except Exception as error:  # noqa: BLE001 - HF's config class refuses the file
-        raise ModelLoadError(f"{file} is not a valid {written['model_type']} config: {error}") from None
+        raise ModelLoadError(f"{file} is not a valid {model_type} config: {error}") from None
     # Token ids stay as written: generation_config.json, not a class default, names EOS otherwise.
     defaults = {key: value for key, value in defaults.items() if key not in ("bos_token_id", "eos_token_id")}
     return {**defaults, **written}
