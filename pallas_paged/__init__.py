@@ -13,10 +13,11 @@ formulation for ragged attention.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
-from pallas_paged import decode, decode_tpu, ragged, tiling
+from pallas_paged import decode, decode_tpu, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.xla_options import compiler_options
@@ -45,6 +46,17 @@ def _check(q, k_cache, v_cache, block_tables, context_lens):
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but context_lens {context_lens.shape[0]}")
 
 
+def _native_fits(q, k_cache) -> bool:
+    """Whether CPUs run the native kernel for these arrays (else the interpreted Pallas kernel).
+
+    ``PALLAS_PAGED_CPU_ATTENTION=pallas`` chooses the Pallas kernel, for comparisons; it is
+    read when a function is traced.
+    """
+    if os.environ.get("PALLAS_PAGED_CPU_ATTENTION", "native") == "pallas":
+        return False
+    return native.supports(q.dtype, k_cache.dtype, q.shape[-1]) and native.available()
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
     """Decode attention: one query token per sequence, through block tables.
 
@@ -59,9 +71,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(decode.paged_attention, scale=scale)
+    cpu = (functools.partial(native.paged_attention, scale=scale) if _native_fits(q, k_cache)
+           else functools.partial(common, tiling=tiling.CPU, interpret=True))
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens,
-        cpu=functools.partial(common, tiling=tiling.CPU, interpret=True),
+        cpu=cpu,
         cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.paged_attention, scale=scale, interpret=False),
@@ -81,9 +95,11 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(ragged.ragged_paged_attention, scale=scale)
+    cpu = (functools.partial(native.ragged_paged_attention, scale=scale) if _native_fits(q, k_cache)
+           else functools.partial(common, tiling=tiling.CPU, interpret=True))
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        cpu=functools.partial(common, tiling=tiling.CPU, interpret=True),
+        cpu=cpu,
         cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.ragged_paged_attention, scale=scale),

@@ -1,4 +1,5 @@
-"""Paged attention kernels against the dense oracle (interpret mode on CPU)."""
+"""Paged attention kernels against the dense oracle, on CPU: the native kernel the public
+functions run here, and the Pallas kernels (the GPU source) in interpret mode."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_paged
-from pallas_paged import decode_tpu, reference, xla
+from pallas_paged import decode, decode_tpu, native, ragged, reference, tiling, xla
 
 from tests.pallas_paged.scenarios import decode_seqs, make
 
@@ -23,6 +24,22 @@ HEADS = [  # (q_heads, kv_heads)
 ]
 
 
+def _interpreted(kernel):
+    """``kernel`` (decode or ragged), the Pallas source in interpret mode, with the public signature."""
+    def call(q, *args, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return kernel(q, *args, scale=scale, tiling=tiling.CPU, interpret=True)
+    return call
+
+
+# What CPUs run (pallas_paged's public functions, the native kernel) and the Pallas source.
+KERNELS = {
+    "native": (pallas_paged.paged_attention, pallas_paged.ragged_paged_attention),
+    "pallas": (_interpreted(decode.paged_attention), _interpreted(ragged.ragged_paged_attention)),
+}
+IMPLS = pytest.mark.parametrize("impl", list(KERNELS))
+
+
 def assert_close(actual, expected, dtype):
     actual = np.asarray(actual.astype(jnp.float32))
     expected = np.asarray(expected.astype(jnp.float32))
@@ -30,21 +47,23 @@ def assert_close(actual, expected, dtype):
     np.testing.assert_allclose(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@IMPLS
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_matches_oracle(heads, head_dim, block_size):
+def test_decode_matches_oracle(impl, heads, head_dim, block_size):
     q_heads, kv_heads = heads
     contexts = [1, block_size, 3 * block_size, 5 * block_size + 1, 1037, 77]
     s = make(decode_seqs(contexts), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
              block_size=block_size, seed=block_size + head_dim)
-    actual = jax.jit(pallas_paged.paged_attention)(*s.decode_args)
+    actual = jax.jit(KERNELS[impl][0])(*s.decode_args)
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.float32)
 
 
+@IMPLS
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_ragged_matches_oracle(heads, block_size):
+def test_ragged_matches_oracle(impl, heads, block_size):
     """Whole prompts, a chunk after a cached prefix, decodes and padding in one call."""
     q_heads, kv_heads = heads
     seqs = [
@@ -58,21 +77,22 @@ def test_ragged_matches_oracle(heads, block_size):
     ]
     s = make(seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, block_size=block_size,
              padding_tokens=5, seed=block_size)
-    actual = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
+    actual = jax.jit(KERNELS[impl][1])(*s.ragged_args)
     assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.float32)
     assert not np.asarray(actual[-5:]).any(), "padding rows must come out as zeros"
 
 
+@IMPLS
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("op", ["decode", "ragged"])
-def test_bfloat16(op, heads):
+def test_bfloat16(impl, op, heads):
     """bfloat16 caches, compiled as the engine compiles them (:func:`pallas_paged.compiler_options`:
     XLA:CPU must run every bfloat16 product natively) and as plain ``jit``."""
     seqs = decode_seqs([1, 16, 500]) if op == "decode" else [(300, 300), (700, 20), (33, 1)]
     s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=64, block_size=16, dtype=jnp.bfloat16)
     kernel, oracle = {
-        "decode": (pallas_paged.paged_attention, reference.paged_attention),
-        "ragged": (pallas_paged.ragged_paged_attention, reference.ragged_paged_attention),
+        "decode": (KERNELS[impl][0], reference.paged_attention),
+        "ragged": (KERNELS[impl][1], reference.ragged_paged_attention),
     }[op]
     args = s.decode_args if op == "decode" else s.ragged_args
     with_options = jax.jit(kernel).lower(*args).compile(compiler_options=pallas_paged.compiler_options("cpu"))
@@ -81,24 +101,27 @@ def test_bfloat16(op, heads):
         assert_close(actual, oracle(*args), jnp.bfloat16)
 
 
-def test_decode_padding_rows_are_zero():
+@IMPLS
+def test_decode_padding_rows_are_zero(impl):
     s = make(decode_seqs([40, 9]), q_heads=4, kv_heads=2, head_dim=64, block_size=16)
     context_lens = s.context_lens.at[1].set(0)
-    out = jax.jit(pallas_paged.paged_attention)(s.q, s.k_cache, s.v_cache, s.block_tables, context_lens)
+    out = jax.jit(KERNELS[impl][0])(s.q, s.k_cache, s.v_cache, s.block_tables, context_lens)
     assert not np.asarray(out[1]).any()
     assert_close(out[:1], reference.paged_attention(*s.decode_args)[:1], jnp.float32)
 
 
-def test_ragged_with_one_token_per_sequence_equals_decode():
+@IMPLS
+def test_ragged_with_one_token_per_sequence_equals_decode(impl):
     s = make(decode_seqs([5, 64, 300]), q_heads=9, kv_heads=3, head_dim=64, block_size=16)
-    decode_out = jax.jit(pallas_paged.paged_attention)(*s.decode_args)
-    ragged_out = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
+    decode_out = jax.jit(KERNELS[impl][0])(*s.decode_args)
+    ragged_out = jax.jit(KERNELS[impl][1])(*s.ragged_args)
     np.testing.assert_allclose(np.asarray(decode_out), np.asarray(ragged_out), atol=1e-6)
 
 
-def test_custom_scale():
+@IMPLS
+def test_custom_scale(impl):
     s = make(decode_seqs([50]), q_heads=2, kv_heads=1, head_dim=64, block_size=8)
-    actual = pallas_paged.paged_attention(*s.decode_args, scale=0.3)
+    actual = KERNELS[impl][0](*s.decode_args, scale=0.3)
     assert_close(actual, reference.paged_attention(*s.decode_args, scale=0.3), jnp.float32)
 
 
@@ -143,3 +166,26 @@ def test_bfloat16_cache_is_never_converted_whole_on_cpu(op):
         lowered = jax.jit(pallas_paged.ragged_paged_attention).lower(q, k_cache, k_cache, tables, lens, starts)
     compiled = lowered.compile(compiler_options=pallas_paged.compiler_options("cpu"))
     assert compiled.memory_analysis().temp_size_in_bytes < k_cache.nbytes
+
+
+def test_cpu_runs_the_native_kernel_where_it_fits():
+    """float32 and bfloat16 with head sizes a multiple of 16 run natively; anything else runs
+    the Pallas kernel in interpret mode, and still matches the oracle."""
+    args = make(decode_seqs([20, 3]), q_heads=4, kv_heads=2, head_dim=64, block_size=8).decode_args
+    assert native.TARGET in jax.jit(pallas_paged.paged_attention).lower(*args).as_text()
+    odd = make(decode_seqs([20, 3]), q_heads=4, kv_heads=2, head_dim=72, block_size=8)
+    assert native.TARGET not in jax.jit(pallas_paged.paged_attention).lower(*odd.decode_args).as_text()
+    assert_close(pallas_paged.paged_attention(*odd.decode_args), reference.paged_attention(*odd.decode_args),
+                 jnp.float32)
+    assert not native.supports(jnp.float16, jnp.float16, 64)
+
+
+def test_native_kernel_refuses_reads_out_of_range():
+    """A block table entry past the cache, or a context longer than its table, is an error
+    naming the argument, not a read of other memory."""
+    s = make(decode_seqs([40, 9]), q_heads=4, kv_heads=2, head_dim=64, block_size=16)
+    call = jax.jit(pallas_paged.paged_attention)
+    with pytest.raises(Exception, match="block table entry is out of range"):
+        call(s.q, s.k_cache, s.v_cache, s.block_tables.at[0, 1].set(10_000), s.context_lens).block_until_ready()
+    with pytest.raises(Exception, match="longer than its block table"):
+        call(s.q, s.k_cache, s.v_cache, s.block_tables, s.context_lens.at[1].set(1000)).block_until_ready()

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_paged
+from pallas_paged import native
 
 TRITON = "__gpu$xla.gpu.triton"
 TARGETS = {
@@ -68,7 +69,8 @@ def test_ragged_on_tpu_exports_the_xla_formulation():
     assert "tpu_custom_call" not in module and "gather" in module
 
 
-def test_cpu_runs_the_interpreted_kernel_not_the_accelerator_ones():
+def test_cpu_runs_the_native_kernel_not_the_accelerator_ones():
     args = attention_args(9, 3, 64, 16, jnp.float32, tokens=4)
     module = jax.jit(pallas_paged.paged_attention).lower(*args).as_text()
     assert TRITON not in module and "tpu_custom_call" not in module
+    assert native.TARGET in module

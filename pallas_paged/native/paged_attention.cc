@@ -1,0 +1,433 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call.
+//
+// The same math as the Pallas kernels (pallas_paged/ragged.py): each query row attends,
+// causally, to its sequence's keys through the block table, with an online softmax in
+// float32. Decode is the case of one query row per sequence.
+//
+// Work is split into items of (sequence, KV head, tile of query tokens); the caller and
+// XLA's intra-op threads claim items from a shared counter, so the call uses every core
+// and finishes even if no helper thread ever starts.
+//
+// Shapes: q, out [tokens, q_heads, d]; k_cache, v_cache [kv_heads, blocks, block_size, d];
+// block_tables int32[seqs, max_blocks]; context_lens int32[seqs]; query_start_loc
+// int32[seqs + 1]. Rows past query_start_loc[seqs], and the rows of a sequence with context 0
+// (a padding row of a decode batch), come out as zeros. Arguments that would make a read go
+// out of range (a block table entry past the cache, a context longer than its table) are an
+// error, not a crash.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kChunk = 64;         // keys per online-softmax step
+constexpr int kTileTokens = 16;    // query tokens per work item
+
+inline float load(float x) { return x; }
+inline float load(uint16_t bf16) {
+  uint32_t bits = uint32_t(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+inline void store(float x, float* out) { *out = x; }
+inline void store(float x, uint16_t* out) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *out = uint16_t(bits >> 16);
+}
+
+struct Problem {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  void* out;
+  int64_t num_tokens, q_heads, head_dim;
+  int64_t kv_heads, num_blocks, block_size;
+  int64_t num_seqs, max_blocks;
+  float scale;
+};
+
+struct Item {
+  int32_t seq, kv_head, first_token, num_tokens;
+};
+
+using v16 = float __attribute__((vector_size(64), aligned(4), may_alias));
+using v8 = float __attribute__((vector_size(32)));
+using u16x16 = uint16_t __attribute__((vector_size(32), aligned(2), may_alias));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+
+inline v16 load16(const float* x) { return *reinterpret_cast<const v16*>(x); }
+inline v16 load16(const uint16_t* x) {
+  u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(x), u32x16) << 16;
+  v16 out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+}
+inline float sum(v16 a) {
+  v8 half = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  float total = 0.0f;
+  for (int i = 0; i < 8; ++i) total += half[i];
+  return total;
+}
+
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+inline i32x16 lane_indices() { return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+// exp(x) for x <= 0, 16 lanes at a time, to about 2 ulp (Cephes' polynomial).
+inline v16 exp16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  const v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 poly = v16{} + 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return poly * scale;
+}
+
+// The largest of s[0, visible).
+inline float row_max(const float* s, int visible) {
+  v16 best = v16{} - INFINITY;
+  for (int c = 0; c < visible; c += 16) {
+    const v16 x = load16(s + c);
+    best = (lane_indices() + c < visible) & (x > best) ? x : best;
+  }
+  float out = best[0];
+  for (int i = 1; i < 16; ++i) out = std::max(out, best[i]);
+  return out;
+}
+
+// s[c] = exp(s[c] - max) for c < visible and 0 for the rest of the chunk; returns the sum.
+inline float exponentiate(float* s, int visible, float max) {
+  v16 total{};
+  for (int c = 0; c < kChunk; c += 16) {
+    const v16 e = exp16(load16(s + c) - max);
+    const v16 weight = lane_indices() + c < visible ? e : v16{};
+    *reinterpret_cast<v16*>(s + c) = weight;
+    total += weight;
+  }
+  return sum(total);
+}
+
+// Asks for the blocks holding keys [first, first + kChunk) ahead of use: each block is a
+// separate run of memory, which the hardware prefetcher does not guess.
+template <typename KVT>
+inline void prefetch_blocks(const KVT* k, const KVT* v, const int32_t* table, int64_t first, int64_t num_keys,
+                            int64_t block_size, int64_t D) {
+  if (first >= num_keys) return;
+  const int64_t last = std::min(first + kChunk, num_keys) - 1;
+  const int64_t block_bytes = block_size * D * int64_t(sizeof(KVT));
+  for (int64_t b = first / block_size; b <= last / block_size; ++b) {
+    const char* k_block = reinterpret_cast<const char*>(k + int64_t(table[b]) * block_size * D);
+    const char* v_block = reinterpret_cast<const char*>(v + int64_t(table[b]) * block_size * D);
+    for (int64_t offset = 0; offset < block_bytes; offset += 64) {
+      __builtin_prefetch(k_block + offset);
+      __builtin_prefetch(v_block + offset);
+    }
+  }
+}
+
+// Row blocks sized so a block's accumulators fill 16 vector registers.
+template <int kD>
+constexpr int kRowBlock = kD ? std::max(1, 16 / (kD / 16)) : 1;
+
+// s[r, c] = q[r] . k[c] for every row and key; kD = 0 reads the head size from D.
+template <int kD, int kRows>
+inline void scores_block(const float* q, const float* const* k_rows, int keys, int D, float* s) {
+  constexpr int kFixed = kD / 16;
+  const int vectors = kD ? kFixed : D / 16;
+  for (int c = 0; c < keys; ++c) {
+    v16 dot[kRows];
+    for (int r = 0; r < kRows; ++r) dot[r] = load16(q + size_t(r) * D) * load16(k_rows[c]);
+    for (int j = 1; j < vectors; ++j) {
+      const v16 k = load16(k_rows[c] + 16 * j);
+      for (int r = 0; r < kRows; ++r) dot[r] += load16(q + size_t(r) * D + 16 * j) * k;
+    }
+    for (int r = 0; r < kRows; ++r) s[size_t(r) * kChunk + c] = sum(dot[r]);
+  }
+}
+
+// Runs block(rows_in_block, first_row) over all rows: blocks of kMax rows, then one block of
+// the remainder, each a compile-time size, so its accumulators stay in registers.
+template <int kMax, typename Block>
+inline void in_row_blocks(int rows, Block&& block) {
+  int r = 0;
+  for (; r + kMax <= rows; r += kMax) block(std::integral_constant<int, kMax>{}, r);
+  switch (rows - r) {
+    case 1: block(std::integral_constant<int, 1>{}, r); break;
+    case 2: if constexpr (kMax > 2) block(std::integral_constant<int, 2>{}, r); break;
+    case 3: if constexpr (kMax > 3) block(std::integral_constant<int, 3>{}, r); break;
+    default: for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+  }
+}
+
+template <int kD>
+void scores(const float* q, const float* const* k_rows, int rows, int keys, int D, float* s) {
+  in_row_blocks<kRowBlock<kD>>(rows, [&](auto size, int r) {
+    scores_block<kD, decltype(size)::value>(q + size_t(r) * D, k_rows, keys, D, s + size_t(r) * kChunk);
+  });
+}
+
+// acc[r] += sum over c of w[r, c] * v[c], a block of rows at a time, held in registers.
+template <int kD, int kRows>
+inline void accumulate_block(const float* w, const float* const* v_rows, int keys, int D, float* acc) {
+  constexpr int kVectors = kD / 16;
+  v16 out[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kVectors; ++j) out[r][j] = load16(acc + size_t(r) * D + 16 * j);
+  for (int c = 0; c < keys; ++c) {
+    v16 v[kVectors];
+    for (int j = 0; j < kVectors; ++j) v[j] = load16(v_rows[c] + 16 * j);
+    for (int r = 0; r < kRows; ++r) {
+      const float weight = w[size_t(r) * kChunk + c];
+      for (int j = 0; j < kVectors; ++j) out[r][j] += weight * v[j];
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kVectors; ++j) *reinterpret_cast<v16*>(acc + size_t(r) * D + 16 * j) = out[r][j];
+}
+
+template <int kD>
+void accumulate_values(const float* w, const float* const* v_rows, int rows, int keys, int D, float* acc) {
+  if constexpr (kD == 0) {  // any head size: one vector at a time
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < D / 16; ++j) {
+        v16 out = load16(acc + size_t(r) * D + 16 * j);
+        for (int c = 0; c < keys; ++c) out += w[size_t(r) * kChunk + c] * load16(v_rows[c] + 16 * j);
+        *reinterpret_cast<v16*>(acc + size_t(r) * D + 16 * j) = out;
+      }
+  } else {
+    in_row_blocks<kRowBlock<kD>>(rows, [&](auto size, int r) {
+      accumulate_block<kD, decltype(size)::value>(w + size_t(r) * kChunk, v_rows, keys, D, acc + size_t(r) * D);
+    });
+  }
+}
+
+// One work item: query tokens [first, first + n) of `seq`, the query heads of `kv_head`.
+// Keys and values are read in place, kChunk at a time; head_dim is a multiple of 16.
+template <typename QT, typename KVT, int kD>
+void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
+  const int D = kD ? kD : int(p.head_dim);
+  const int vectors = D / 16;
+  const int group = int(p.q_heads / p.kv_heads);
+  const int rows = item.num_tokens * group;
+  const int32_t seq = item.seq;
+  const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
+  const int64_t num_keys = first_pos + item.num_tokens;
+
+  scratch.resize(size_t(rows) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D));
+  float* q = scratch.data();                 // [rows, D], scaled
+  float* acc = q + size_t(rows) * D;         // [rows, D]
+  float* m = acc + size_t(rows) * D;         // [rows] running max
+  float* l = m + rows;                       // [rows] running sum
+  float* s = l + rows;                       // [rows, kChunk] scores, then weights
+  float* converted = s + size_t(rows) * kChunk;  // [2, kChunk, D] a 16-bit chunk in float32
+
+  const KVT* k_in = static_cast<const KVT*>(p.k_cache);
+  const KVT* v_in = static_cast<const KVT*>(p.v_cache);
+  const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks;
+  const int64_t head_offset = int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
+  prefetch_blocks(k_in + head_offset, v_in + head_offset, table, 0, num_keys, p.block_size, D);
+
+  const QT* q_in = static_cast<const QT*>(p.q);
+  for (int t = 0; t < item.num_tokens; ++t)
+    for (int g = 0; g < group; ++g) {
+      const QT* src = q_in + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
+      float* dst = q + size_t(t * group + g) * D;
+      for (int d = 0; d < D; ++d) dst[d] = load(src[d]) * p.scale;
+    }
+  std::fill(acc, acc + size_t(rows) * D, 0.0f);
+  std::fill(m, m + rows, -INFINITY);
+  std::fill(l, l + rows, 0.0f);
+
+  const float* k_rows[kChunk];
+  const float* v_rows[kChunk];
+
+  for (int64_t start = 0; start < num_keys; start += kChunk) {
+    const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
+    prefetch_blocks(k_in + head_offset, v_in + head_offset, table, start + kChunk, num_keys, p.block_size, D);
+    for (int c = 0; c < keys; ++c) {
+      const int64_t key = start + c;
+      const int64_t slot = int64_t(table[key / p.block_size]) * p.block_size + key % p.block_size;
+      const KVT* k_row = k_in + head_offset + slot * D;
+      const KVT* v_row = v_in + head_offset + slot * D;
+      if constexpr (std::is_same_v<KVT, float>) {
+        k_rows[c] = k_row;
+        v_rows[c] = v_row;
+      } else {  // convert once, not once per query row
+        float* k_copy = converted + size_t(c) * D;
+        float* v_copy = converted + size_t(kChunk + c) * D;
+        for (int j = 0; j < vectors; ++j) {
+          *reinterpret_cast<v16*>(k_copy + 16 * j) = load16(k_row + 16 * j);
+          *reinterpret_cast<v16*>(v_copy + 16 * j) = load16(v_row + 16 * j);
+        }
+        k_rows[c] = k_copy;
+        v_rows[c] = v_copy;
+      }
+    }
+    const int64_t chunk_first_pos = first_pos - start;  // row r sees keys c <= this + r / group
+    scores<kD>(q, k_rows, rows, keys, D, s);
+    for (int r = 0; r < rows; ++r) {
+      const int visible = int(std::min<int64_t>(keys, chunk_first_pos + r / group + 1));
+      float* weights = s + size_t(r) * kChunk;
+      if (visible <= 0) {
+        std::fill(weights, weights + keys, 0.0f);
+        continue;
+      }
+      const float chunk_max = std::max(m[r], row_max(weights, visible));
+      const float rescale = exp16(v16{} + (m[r] - chunk_max))[0];
+      m[r] = chunk_max;
+      const float total = exponentiate(weights, visible, chunk_max);
+      l[r] = l[r] * rescale + total;
+      float* acc_row = acc + size_t(r) * D;
+      for (int j = 0; j < vectors; ++j) *reinterpret_cast<v16*>(acc_row + 16 * j) = load16(acc_row + 16 * j) * rescale;
+    }
+    accumulate_values<kD>(s, v_rows, rows, keys, D, acc);
+  }
+
+  QT* out = static_cast<QT*>(p.out);
+  for (int t = 0; t < item.num_tokens; ++t)
+    for (int g = 0; g < group; ++g) {
+      const int r = t * group + g;
+      const float inverse = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      QT* dst = out + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
+      for (int d = 0; d < D; ++d) store(acc[size_t(r) * D + d] * inverse, dst + d);
+    }
+}
+
+// The work items, or an error naming the first argument that would make a read out of range.
+ffi::Unexpected<ffi::Error> invalid(const char* message) {
+  return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(std::string("ragged_paged_attention: ") + message));
+}
+
+ffi::ErrorOr<std::vector<Item>> work_items(const Problem& p) {
+  std::vector<Item> items;
+  if (p.query_start_loc[0] != 0 || p.query_start_loc[p.num_seqs] > p.num_tokens)
+    return invalid("query_start_loc must start at 0 and end within q's tokens");
+  for (int32_t seq = 0; seq < p.num_seqs; ++seq) {
+    const int32_t begin = p.query_start_loc[seq], end = p.query_start_loc[seq + 1];
+    const int64_t context_len = p.context_lens[seq];
+    if (end < begin) return invalid("query_start_loc must not decrease");
+    if (end == begin || context_len < end - begin || context_len == 0) continue;  // nothing to attend to
+    if (context_len > p.max_blocks * p.block_size)
+      return invalid("a context is longer than its block table holds");
+    for (int64_t b = 0; b < (context_len + p.block_size - 1) / p.block_size; ++b) {
+      const int32_t block = p.block_tables[seq * p.max_blocks + b];
+      if (block < 0 || block >= p.num_blocks) return invalid("a block table entry is out of range");
+    }
+    for (int32_t first = begin; first < end; first += kTileTokens)
+      for (int32_t h = 0; h < p.kv_heads; ++h)
+        items.push_back({seq, h, first, std::min(kTileTokens, end - first)});
+  }
+  return items;
+}
+
+template <typename QT, typename KVT, int kD>
+void run_items(const Problem& p, const std::vector<Item>& items, std::atomic<int64_t>& next,
+               std::atomic<int64_t>& done) {
+  std::vector<float> scratch;
+  for (int64_t i; (i = next.fetch_add(1)) < int64_t(items.size());) {
+    attend<QT, KVT, kD>(p, items[i], scratch);
+    done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+struct Shared {
+  Problem problem;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+template <typename QT, typename KVT, int kD>
+void run(const Problem& problem, std::vector<Item> items, ffi::ThreadPool& pool) {
+  auto shared = std::make_shared<Shared>();
+  shared->problem = problem;
+  shared->items = std::move(items);
+  const int64_t total = int64_t(shared->items.size());
+  // The caller works too, so one helper fewer than XLA's threads keeps one worker per core.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([shared] { run_items<QT, KVT, kD>(shared->problem, shared->items, shared->next, shared->done); });
+  run_items<QT, KVT, kD>(shared->problem, shared->items, shared->next, shared->done);
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+template <typename QT, typename KVT>
+void run_for_head_dim(const Problem& p, std::vector<Item> items, ffi::ThreadPool& pool) {
+  if (p.head_dim == 64) return run<QT, KVT, 64>(p, std::move(items), pool);
+  if (p.head_dim == 128) return run<QT, KVT, 128>(p, std::move(items), pool);
+  run<QT, KVT, 0>(p, std::move(items), pool);
+}
+
+ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                  ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
+                                  ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                  float scale, ffi::Result<ffi::AnyBuffer> out) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = k_cache.dimensions();
+  const auto table_dims = block_tables.dimensions();
+  if (q_dims.size() != 3 || kv_dims.size() != 4 || table_dims.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: unexpected ranks");
+  if (k_cache.element_type() != v_cache.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: mismatched dtypes");
+  Problem p{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
+            block_tables.typed_data(), context_lens.typed_data(), query_start_loc.typed_data(),
+            out->untyped_data(), q_dims[0], q_dims[1], q_dims[2], kv_dims[0], kv_dims[1], kv_dims[2],
+            table_dims[0], table_dims[1], scale};
+  const auto supported = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
+  if (!supported(q.element_type()) || !supported(k_cache.element_type()))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: only float32 and bfloat16 are supported");
+  if (p.head_dim % 16 || p.q_heads % p.kv_heads || kv_dims[3] != p.head_dim || context_lens.element_count() != p.num_seqs ||
+      query_start_loc.element_count() != p.num_seqs + 1)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes");
+  auto items = work_items(p);
+  if (items.has_error()) return items.error();
+  std::memset(p.out, 0, out->size_bytes());
+  const bool q_bf16 = q.element_type() == ffi::DataType::BF16;
+  const bool kv_bf16 = k_cache.element_type() == ffi::DataType::BF16;
+  if (q_bf16 && kv_bf16) run_for_head_dim<uint16_t, uint16_t>(p, std::move(*items), pool);
+  else if (q_bf16) run_for_head_dim<uint16_t, float>(p, std::move(*items), pool);
+  else if (kv_bf16) run_for_head_dim<float, uint16_t>(p, std::move(*items), pool);
+  else run_for_head_dim<float, float>(p, std::move(*items), pool);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedRaggedAttention, ragged_paged_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>());
