@@ -5,10 +5,11 @@
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, block
 size 16). Decode: every sequence has the same context length, so the dense
 version wastes nothing. Prefill: a batch of whole prompts of one length.
-Columns: the Pallas kernel (interpret mode on this CPU) reading blocks in a
-random order through block tables; the same kernel with each sequence's blocks
-in order (how a batch of prompts admitted together lies in the engine's cache);
-the same work as dense XLA attention on a contiguous ``[seqs, kv_heads,
+Columns: the kernel this CPU runs (``pallas_paged``'s public functions: the
+native C++ kernel) reading blocks in a random order through block tables; the
+same kernel with each sequence's blocks in order (how a batch of prompts
+admitted together lies in the engine's cache); the Pallas kernel, the source
+GPUs compile, in interpret mode, blocks shuffled; the same work as dense XLA attention on a contiguous ``[seqs, kv_heads,
 context, d]`` cache, the faster of two ways of writing it (decode: einsum or
 multiply-and-sum; prefill: the whole masked square, or causal tiles that skip
 what the mask hides); and the XLA gather formulation (gather the blocks, then
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_paged
-from pallas_paged import xla
+from pallas_paged import decode, ragged, tiling, xla
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -121,20 +122,27 @@ def compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile(compiler_options=pallas_paged.compiler_options(jax.default_backend()))
 
 
+def interpreted(kernel):
+    """The Pallas ``kernel`` (decode or ragged) in interpret mode, as CPUs ran it before the native one."""
+    return functools.partial(kernel, scale=SCALE, tiling=tiling.CPU, interpret=True)
+
+
 def bench_decode(seqs, context, dtype, rng):
     k, v, k_cache, v_cache, tables = paged_inputs(seqs, context, dtype, rng)
     q = jnp.asarray(rng.standard_normal((seqs, Q_HEADS, HEAD_DIM)), dtype)
     lens = jnp.full((seqs,), context, jnp.int32)
     paged = compiled(pallas_paged.paged_attention, q, k_cache, v_cache, tables, lens)
+    pallas = compiled(interpreted(decode.paged_attention), q, k_cache, v_cache, tables, lens)
     gather = compiled(functools.partial(xla.paged_attention, scale=SCALE), q, k_cache, v_cache, tables, lens)
     ordered = in_order(k, v, tables)
     reference = np.asarray(dense_decode(q, k, v, lens), np.float32)
-    for caches in ((k_cache, v_cache, tables), ordered):
-        np.testing.assert_allclose(np.asarray(paged(q, caches[0], caches[1], caches[2], lens), np.float32), reference,
+    for kernel, caches in ((paged, (k_cache, v_cache, tables)), (paged, ordered), (pallas, (k_cache, v_cache, tables))):
+        np.testing.assert_allclose(np.asarray(kernel(q, caches[0], caches[1], caches[2], lens), np.float32), reference,
                                    atol=3e-2)
     times = time_interleaved({
         "paged": lambda: paged(q, k_cache, v_cache, tables, lens),
         "in order": lambda: paged(q, *ordered, lens),
+        "pallas": lambda: pallas(q, k_cache, v_cache, tables, lens),
         "dense einsum": lambda: dense_decode(q, k, v, lens),
         "dense summed": lambda: dense_decode_summed(q, k, v, lens),
         "gather": lambda: gather(q, k_cache, v_cache, tables, lens),
@@ -149,18 +157,20 @@ def bench_prefill(seqs, length, dtype, rng):
     lens = jnp.full((seqs,), length, jnp.int32)
     starts = jnp.arange(seqs + 1, dtype=jnp.int32) * length
     paged = compiled(pallas_paged.ragged_paged_attention, flat_q, k_cache, v_cache, tables, lens, starts)
+    pallas = compiled(interpreted(ragged.ragged_paged_attention), flat_q, k_cache, v_cache, tables, lens, starts)
     gather = compiled(functools.partial(xla.ragged_paged_attention, scale=SCALE), flat_q, k_cache, v_cache, tables,
                       lens, starts)
     ordered = in_order(k, v, tables)
     reference = np.asarray(dense_prefill(q, k, v).reshape(flat_q.shape), np.float32)
-    for caches in ((k_cache, v_cache, tables), ordered):
-        np.testing.assert_allclose(np.asarray(paged(flat_q, caches[0], caches[1], caches[2], lens, starts), np.float32),
+    for kernel, caches in ((paged, (k_cache, v_cache, tables)), (paged, ordered), (pallas, (k_cache, v_cache, tables))):
+        np.testing.assert_allclose(np.asarray(kernel(flat_q, caches[0], caches[1], caches[2], lens, starts), np.float32),
                                    reference, atol=3e-2)
     np.testing.assert_allclose(np.asarray(dense_prefill_causal_tiles(q, k, v).reshape(flat_q.shape), np.float32),
                                reference, atol=3e-2)
     times = time_interleaved({
         "paged": lambda: paged(flat_q, k_cache, v_cache, tables, lens, starts),
         "in order": lambda: paged(flat_q, *ordered, lens, starts),
+        "pallas": lambda: pallas(flat_q, k_cache, v_cache, tables, lens, starts),
         "dense square": lambda: dense_prefill(q, k, v),
         "dense causal tiles": lambda: dense_prefill_causal_tiles(q, k, v),
         "gather": lambda: gather(flat_q, k_cache, v_cache, tables, lens, starts),
@@ -174,10 +184,11 @@ def run(cases, bench, title, rng):
         for seqs, context in cases:
             t = bench(seqs, context, dtype, rng)
             rows.append([jnp.dtype(dtype).name, seqs, context, t["paged"] * 1e3, t["in order"] * 1e3, t["dense"] * 1e3,
-                         t["gather"] * 1e3, t["paged"] / t["dense"], t["in order"] / t["dense"]])
+                         t["gather"] * 1e3, t["paged"] / t["dense"], t["in order"] / t["dense"], t["pallas"] * 1e3,
+                         t["pallas"] / t["paged"]])
     print(f"\n{title}")
     headers = ["dtype", "seqs", "context", "paged ms", "paged, blocks in order ms", "dense contiguous ms",
-               "XLA gather ms", "paged / dense", "in order / dense"]
+               "XLA gather ms", "paged / dense", "in order / dense", "Pallas interpreted ms", "Pallas / paged"]
     return rows, print_table(headers, rows)
 
 

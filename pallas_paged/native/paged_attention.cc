@@ -193,122 +193,196 @@ void scores(const float* q, const float* const* k_rows, int rows, int keys, int 
   });
 }
 
-// acc[r] += sum over c of w[r, c] * v[c], a block of rows at a time, held in registers.
+// acc[r] += sum over c of w(r, c) * v[c], with w(r, c) = w[r * row_stride + c * key_stride]
+// (scores laid out by row, or by key with rows in lanes), a block of rows at a time, held in
+// registers.
 template <int kD, int kRows>
-inline void accumulate_block(const float* w, const float* const* v_rows, int keys, int D, float* acc) {
+inline void accumulate_block(const float* w, int row_stride, int key_stride, const float* const* v_rows, int keys,
+                             float* acc) {
   constexpr int kVectors = kD / 16;
   v16 out[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kVectors; ++j) out[r][j] = load16(acc + size_t(r) * D + 16 * j);
+    for (int j = 0; j < kVectors; ++j) out[r][j] = load16(acc + size_t(r) * kD + 16 * j);
   for (int c = 0; c < keys; ++c) {
     v16 v[kVectors];
     for (int j = 0; j < kVectors; ++j) v[j] = load16(v_rows[c] + 16 * j);
     for (int r = 0; r < kRows; ++r) {
-      const float weight = w[size_t(r) * kChunk + c];
+      const float weight = w[size_t(r) * row_stride + size_t(c) * key_stride];
       for (int j = 0; j < kVectors; ++j) out[r][j] += weight * v[j];
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kVectors; ++j) *reinterpret_cast<v16*>(acc + size_t(r) * D + 16 * j) = out[r][j];
+    for (int j = 0; j < kVectors; ++j) *reinterpret_cast<v16*>(acc + size_t(r) * kD + 16 * j) = out[r][j];
 }
 
 template <int kD>
-void accumulate_values(const float* w, const float* const* v_rows, int rows, int keys, int D, float* acc) {
+void accumulate_values(const float* w, int row_stride, int key_stride, const float* const* v_rows, int rows, int keys,
+                       int D, float* acc) {
   if constexpr (kD == 0) {  // any head size: one vector at a time
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < D / 16; ++j) {
         v16 out = load16(acc + size_t(r) * D + 16 * j);
-        for (int c = 0; c < keys; ++c) out += w[size_t(r) * kChunk + c] * load16(v_rows[c] + 16 * j);
+        for (int c = 0; c < keys; ++c)
+          out += w[size_t(r) * row_stride + size_t(c) * key_stride] * load16(v_rows[c] + 16 * j);
         *reinterpret_cast<v16*>(acc + size_t(r) * D + 16 * j) = out;
       }
   } else {
     in_row_blocks<kRowBlock<kD>>(rows, [&](auto size, int r) {
-      accumulate_block<kD, decltype(size)::value>(w + size_t(r) * kChunk, v_rows, keys, D, acc + size_t(r) * D);
+      accumulate_block<kD, decltype(size)::value>(w + size_t(r) * row_stride, row_stride, key_stride, v_rows, keys,
+                                                  acc + size_t(r) * kD);
     });
   }
 }
 
-// One work item: query tokens [first, first + n) of `seq`, the query heads of `kv_head`.
-// Keys and values are read in place, kChunk at a time; head_dim is a multiple of 16.
-template <typename QT, typename KVT, int kD>
-void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
-  const int D = kD ? kD : int(p.head_dim);
-  const int vectors = D / 16;
-  const int group = int(p.q_heads / p.kv_heads);
-  const int rows = item.num_tokens * group;
-  const int32_t seq = item.seq;
-  const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-  const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
-  const int64_t num_keys = first_pos + item.num_tokens;
-
-  scratch.resize(size_t(rows) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D));
-  float* q = scratch.data();                 // [rows, D], scaled
-  float* acc = q + size_t(rows) * D;         // [rows, D]
-  float* m = acc + size_t(rows) * D;         // [rows] running max
-  float* l = m + rows;                       // [rows] running sum
-  float* s = l + rows;                       // [rows, kChunk] scores, then weights
-  float* converted = s + size_t(rows) * kChunk;  // [2, kChunk, D] a 16-bit chunk in float32
-
-  const KVT* k_in = static_cast<const KVT*>(p.k_cache);
-  const KVT* v_in = static_cast<const KVT*>(p.v_cache);
-  const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks;
-  const int64_t head_offset = int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
-  prefetch_blocks(k_in + head_offset, v_in + head_offset, table, 0, num_keys, p.block_size, D);
-
-  const QT* q_in = static_cast<const QT*>(p.q);
-  for (int t = 0; t < item.num_tokens; ++t)
-    for (int g = 0; g < group; ++g) {
-      const QT* src = q_in + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
-      float* dst = q + size_t(t * group + g) * D;
-      for (int d = 0; d < D; ++d) dst[d] = load(src[d]) * p.scale;
+// Query rows in vector lanes, for items with many rows (prefill): s[c, r] = q[r] . k[c],
+// where q_t is [D, R] (R a multiple of 16). Eight keys at a time keep eight sums in flight,
+// and each multiply takes its key element straight from memory.
+template <int kD>
+void scores_in_lanes(const float* q_t, int R, const float* const* k_rows, int keys, int D, float* s) {
+  const int dims = kD ? kD : D;
+  for (int c = 0; c < keys; c += 8) {
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = k_rows[std::min(c + i, keys - 1)];
+    for (int lane = 0; lane < R; lane += 16) {
+      v16 dot[8] = {};
+      for (int d = 0; d < dims; ++d) {
+        const v16 q = load16(q_t + size_t(d) * R + lane);
+        for (int i = 0; i < 8; ++i) dot[i] += k[i][d] * q;
+      }
+      for (int i = 0; i < 8 && c + i < keys; ++i) *reinterpret_cast<v16*>(s + size_t(c + i) * R + lane) = dot[i];
     }
-  std::fill(acc, acc + size_t(rows) * D, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
+  }
+}
 
+// The online-softmax step for rows in lanes: row r sees keys c <= first_visible + r / group.
+// Turns s [keys, R] into weights, updates the running max m and sum l, and rescales acc.
+void softmax_in_lanes(float* s, int R, int keys, int first_visible, int group, float* m, float* l, float* acc, int D) {
+  for (int lane = 0; lane < R; lane += 16) {
+    const i32x16 last = (lane_indices() + lane) / group + first_visible;
+    const v16 old_max = load16(m + lane);
+    v16 new_max = old_max;
+    for (int c = 0; c < keys; ++c) {
+      const v16 x = load16(s + size_t(c) * R + lane);
+      new_max = (last >= c) & (x > new_max) ? x : new_max;
+    }
+    const v16 rescale = new_max == -INFINITY ? v16{} + 1.0f : exp16(old_max - new_max);
+    v16 total{};
+    for (int c = 0; c < keys; ++c) {
+      v16* x = reinterpret_cast<v16*>(s + size_t(c) * R + lane);
+      const v16 weight = last >= c ? exp16(*x - new_max) : v16{};
+      *x = weight;
+      total += weight;
+    }
+    *reinterpret_cast<v16*>(m + lane) = new_max;
+    *reinterpret_cast<v16*>(l + lane) = load16(l + lane) * rescale + total;
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < D; j += 16) {
+        v16* row = reinterpret_cast<v16*>(acc + size_t(lane + i) * D + j);
+        *row = *row * rescale[i];
+      }
+  }
+}
+
+// The online-softmax step for rows laid out one after another (few rows: decode).
+void softmax_by_row(float* s, int rows, int keys, int64_t first_visible, int group, float* m, float* l, float* acc,
+                    int D) {
+  for (int r = 0; r < rows; ++r) {
+    const int visible = int(std::min<int64_t>(keys, first_visible + r / group + 1));
+    float* weights = s + size_t(r) * kChunk;
+    if (visible <= 0) {
+      std::fill(weights, weights + keys, 0.0f);
+      continue;
+    }
+    const float chunk_max = std::max(m[r], row_max(weights, visible));
+    const float rescale = exp16(v16{} + (m[r] - chunk_max))[0];
+    m[r] = chunk_max;
+    l[r] = l[r] * rescale + exponentiate(weights, visible, chunk_max);
+    float* acc_row = acc + size_t(r) * D;
+    for (int j = 0; j < D; j += 16) *reinterpret_cast<v16*>(acc_row + j) = load16(acc_row + j) * rescale;
+  }
+}
+
+// Pointers to kChunk keys' and values' rows, float32 (a 16-bit cache is converted once
+// here, not once per query row).
+template <typename KVT>
+struct Chunk {
   const float* k_rows[kChunk];
   const float* v_rows[kChunk];
 
-  for (int64_t start = 0; start < num_keys; start += kChunk) {
-    const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
-    prefetch_blocks(k_in + head_offset, v_in + head_offset, table, start + kChunk, num_keys, p.block_size, D);
+  void gather(const KVT* k, const KVT* v, const int32_t* table, int64_t start, int keys, int64_t block_size, int D,
+              float* converted) {
     for (int c = 0; c < keys; ++c) {
       const int64_t key = start + c;
-      const int64_t slot = int64_t(table[key / p.block_size]) * p.block_size + key % p.block_size;
-      const KVT* k_row = k_in + head_offset + slot * D;
-      const KVT* v_row = v_in + head_offset + slot * D;
+      const int64_t offset = (int64_t(table[key / block_size]) * block_size + key % block_size) * D;
       if constexpr (std::is_same_v<KVT, float>) {
-        k_rows[c] = k_row;
-        v_rows[c] = v_row;
-      } else {  // convert once, not once per query row
+        k_rows[c] = k + offset;
+        v_rows[c] = v + offset;
+      } else {
         float* k_copy = converted + size_t(c) * D;
         float* v_copy = converted + size_t(kChunk + c) * D;
-        for (int j = 0; j < vectors; ++j) {
-          *reinterpret_cast<v16*>(k_copy + 16 * j) = load16(k_row + 16 * j);
-          *reinterpret_cast<v16*>(v_copy + 16 * j) = load16(v_row + 16 * j);
+        for (int j = 0; j < D; j += 16) {
+          *reinterpret_cast<v16*>(k_copy + j) = load16(k + offset + j);
+          *reinterpret_cast<v16*>(v_copy + j) = load16(v + offset + j);
         }
         k_rows[c] = k_copy;
         v_rows[c] = v_copy;
       }
     }
-    const int64_t chunk_first_pos = first_pos - start;  // row r sees keys c <= this + r / group
-    scores<kD>(q, k_rows, rows, keys, D, s);
-    for (int r = 0; r < rows; ++r) {
-      const int visible = int(std::min<int64_t>(keys, chunk_first_pos + r / group + 1));
-      float* weights = s + size_t(r) * kChunk;
-      if (visible <= 0) {
-        std::fill(weights, weights + keys, 0.0f);
-        continue;
-      }
-      const float chunk_max = std::max(m[r], row_max(weights, visible));
-      const float rescale = exp16(v16{} + (m[r] - chunk_max))[0];
-      m[r] = chunk_max;
-      const float total = exponentiate(weights, visible, chunk_max);
-      l[r] = l[r] * rescale + total;
-      float* acc_row = acc + size_t(r) * D;
-      for (int j = 0; j < vectors; ++j) *reinterpret_cast<v16*>(acc_row + 16 * j) = load16(acc_row + 16 * j) * rescale;
+  }
+};
+
+// One work item: query tokens [first, first + n) of `seq`, the query heads of `kv_head`.
+// Keys and values are read in place, kChunk at a time; head_dim is a multiple of 16. With
+// 16 rows or more, the rows sit in vector lanes; with fewer, one after another.
+template <typename QT, typename KVT, int kD>
+void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
+  const int D = kD ? kD : int(p.head_dim);
+  const int group = int(p.q_heads / p.kv_heads);
+  const int rows = item.num_tokens * group;
+  const bool in_lanes = rows >= 16;
+  const int R = in_lanes ? (rows + 15) / 16 * 16 : rows;  // rows, padded to whole vectors in lanes
+  const int32_t seq = item.seq;
+  const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
+  const int64_t num_keys = first_pos + item.num_tokens;
+
+  scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D), 0.0f);
+  float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled
+  float* acc = q + size_t(R) * D;            // [R, D]
+  float* m = acc + size_t(R) * D;            // [R] running max
+  float* l = m + R;                          // [R] running sum
+  float* s = l + R;                          // [R, kChunk], or [kChunk, R] in lanes: scores, then weights
+  float* converted = s + size_t(R) * kChunk; // [2, kChunk, D] a 16-bit chunk in float32
+  std::fill(m, m + R, -INFINITY);
+
+  const KVT* k_in = static_cast<const KVT*>(p.k_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
+  const KVT* v_in = static_cast<const KVT*>(p.v_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
+  const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks;
+  prefetch_blocks(k_in, v_in, table, 0, num_keys, p.block_size, D);
+
+  const QT* q_in = static_cast<const QT*>(p.q);
+  for (int t = 0; t < item.num_tokens; ++t)
+    for (int g = 0; g < group; ++g) {
+      const QT* src = q_in + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
+      const int r = t * group + g;
+      for (int d = 0; d < D; ++d) q[in_lanes ? size_t(d) * R + r : size_t(r) * D + d] = load(src[d]) * p.scale;
     }
-    accumulate_values<kD>(s, v_rows, rows, keys, D, acc);
+
+  Chunk<KVT> chunk;
+  for (int64_t start = 0; start < num_keys; start += kChunk) {
+    const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
+    prefetch_blocks(k_in, v_in, table, start + kChunk, num_keys, p.block_size, D);
+    chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, converted);
+    const int64_t first_visible = first_pos - start;  // row r sees keys c <= this + r / group
+    if (in_lanes) {
+      scores_in_lanes<kD>(q, R, chunk.k_rows, keys, D, s);
+      softmax_in_lanes(s, R, keys, int(std::min<int64_t>(first_visible, kChunk)), group, m, l, acc, D);
+      accumulate_values<kD>(s, 1, R, chunk.v_rows, rows, keys, D, acc);
+    } else {
+      scores<kD>(q, chunk.k_rows, rows, keys, D, s);
+      softmax_by_row(s, rows, keys, first_visible, group, m, l, acc, D);
+      accumulate_values<kD>(s, kChunk, 1, chunk.v_rows, rows, keys, D, acc);
+    }
   }
 
   QT* out = static_cast<QT*>(p.out);
@@ -321,7 +395,6 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     }
 }
 
-// The work items, or an error naming the first argument that would make a read out of range.
 ffi::Unexpected<ffi::Error> invalid(const char* message) {
   return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(std::string("ragged_paged_attention: ") + message));
 }
