@@ -4,6 +4,10 @@ functions run here, and the Pallas kernels (the GPU source) in interpret mode.""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +193,24 @@ def test_native_kernel_refuses_reads_out_of_range():
         call(s.q, s.k_cache, s.v_cache, s.block_tables.at[0, 1].set(10_000), s.context_lens).block_until_ready()
     with pytest.raises(Exception, match="longer than its block table"):
         call(s.q, s.k_cache, s.v_cache, s.block_tables, s.context_lens.at[1].set(1000)).block_until_ready()
+
+
+def test_without_a_compiler_cpus_run_the_pallas_kernel(tmp_path):
+    """No C++ compiler (here ``CXX`` names one that fails): one warning says why, and attention
+    runs the interpreted Pallas kernel with the same results. A fresh process, as the build
+    is attempted once per process."""
+    script = (
+        "import jax, numpy as np, pallas_paged\n"
+        "from pallas_paged import native, reference\n"
+        "from tests.pallas_paged.scenarios import make, decode_seqs\n"
+        "s = make(decode_seqs([20, 3]), q_heads=4, kv_heads=2, head_dim=64, block_size=8)\n"
+        "assert native.TARGET not in jax.jit(pallas_paged.paged_attention).lower(*s.decode_args).as_text()\n"
+        "np.testing.assert_allclose(pallas_paged.paged_attention(*s.decode_args),\n"
+        "                           reference.paged_attention(*s.decode_args), atol=2e-5)\n"
+    )
+    env = {**os.environ, "CXX": "false", "PALLAS_PAGED_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    assert "native CPU attention unavailable, using the interpreted Pallas kernel" in result.stderr
+    assert "false failed to build paged_attention.cc" in result.stderr
