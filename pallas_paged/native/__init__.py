@@ -2,22 +2,29 @@
 
 XLA:CPU runs an interpreted Pallas kernel as a loop of small ops on one core; this
 kernel does the same math (``paged_attention.cc``) with SIMD on every core. It is
-compiled with the machine's C++ compiler against jaxlib's FFI headers into the
-cache directory (``PALLAS_PAGED_CACHE_DIR``, default ``~/.cache/pallas-paged``),
-keyed by the source, the flags and jaxlib's version, so later processes only load it.
+compiled with the machine's C++ compiler (``CXX``, else ``g++``) against jaxlib's FFI
+headers into the cache directory (``$PALLAS_PAGED_CACHE_DIR/native``, default
+``~/.cache/pallas-paged/native``), keyed by the source, the flags, the compiler, jaxlib's
+version and the CPU, so later processes only load it. With caching off
+(``PALLAS_PAGED_CACHE_DIR`` empty) each process builds its own copy in a private
+temporary directory.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import pathlib
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jaxlib
@@ -28,6 +35,8 @@ logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
 TARGET = "pallas_paged_ragged_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno")
+BUILD_TIMEOUT_SECONDS = 300
+_lock = threading.Lock()
 
 
 class NativeBuildError(RuntimeError):
@@ -36,40 +45,57 @@ class NativeBuildError(RuntimeError):
 
 def _cache_dir() -> pathlib.Path:
     root = os.environ.get("PALLAS_PAGED_CACHE_DIR")
-    if root == "":
-        return pathlib.Path(tempfile.gettempdir()) / f"pallas-paged-native-{os.getuid()}"
+    if root == "":  # caching off: a directory no other user can have prepared, removed at exit
+        private = tempfile.mkdtemp(prefix="pallas-paged-native-")
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        return pathlib.Path(private)
     return pathlib.Path(root or pathlib.Path.home() / ".cache" / "pallas-paged") / "native"
 
 
-def _library_path(compiler: str) -> pathlib.Path:
+def _compiler() -> list[str]:
+    command = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or shutil.which("c++") or ""]
+    if not command[0]:
+        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
+    return command
+
+
+def _run(command: list[str], what: str) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NativeBuildError(f"{what}: {error}") from error
+    if result.returncode:
+        raise NativeBuildError(f"{what}:\n{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def _cpu_features() -> str:
+    """What ``-march=native`` depends on: the CPU's architecture and feature flags."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    features = next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
+    return f"{platform.machine()} {features}"
+
+
+def _library_path(compiler: list[str]) -> pathlib.Path:
+    version = _run([*compiler, "--version"], f"{shlex.join(compiler)} --version failed")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), compiler.encode(),
-                 _cpu_flags().encode()):
-        key.update(part)
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS), jaxlib.__version__, shlex.join(compiler), version,
+                 _cpu_features()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     return _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: ``-march=native`` output depends on them."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(path: pathlib.Path, compiler: str) -> None:
+def _build(path: pathlib.Path, compiler: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = pathlib.Path(tmp.name)
-    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
-    logger.info("compiling the native attention kernel: %s", " ".join(command))
+    command = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+    logger.info("compiling the native attention kernel: %s", shlex.join(command))
     try:
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode:
-            raise NativeBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-4000:]}")
+        _run(command, f"{shlex.join(compiler)} failed to build {SOURCE.name}")
         os.replace(partial, path)  # atomic: concurrent builders each publish a whole file
     finally:
         partial.unlink(missing_ok=True)
@@ -78,14 +104,13 @@ def _build(path: pathlib.Path, compiler: str) -> None:
 @functools.cache
 def load() -> None:
     """Build (once per machine) and register the kernel with XLA:CPU; raises NativeBuildError."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
-    path = _library_path(compiler)
-    if not path.exists():
-        _build(path, compiler)
-    library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedRaggedAttention), platform="cpu")
+    with _lock:
+        compiler = _compiler()
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(path, compiler)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedRaggedAttention), platform="cpu")
 
 
 def supports(q_dtype, cache_dtype, head_dim: int) -> bool:
@@ -113,7 +138,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     query_start_loc: int32[seqs + 1]. Returns [tokens, q_heads, d].
     """
     load()
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k_cache, v_cache, block_tables.astype(np.int32), context_lens.astype(np.int32),
                 query_start_loc.astype(np.int32), scale=np.float32(scale))
 

@@ -81,8 +81,13 @@ inline v16 load16(const uint16_t* x) {
   return out;
 }
 inline float sum(v16 a) {
+#if defined(__clang__) || __GNUC__ >= 12
   v8 half = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
             __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else  // GCC 11 has no __builtin_shufflevector
+  v8 half;
+  for (int i = 0; i < 8; ++i) half[i] = a[i] + a[i + 8];
+#endif
   float total = 0.0f;
   for (int i = 0; i < 8; ++i) total += half[i];
   return total;
@@ -407,7 +412,8 @@ ffi::ErrorOr<std::vector<Item>> work_items(const Problem& p) {
     const int32_t begin = p.query_start_loc[seq], end = p.query_start_loc[seq + 1];
     const int64_t context_len = p.context_lens[seq];
     if (end < begin) return invalid("query_start_loc must not decrease");
-    if (end == begin || context_len < end - begin || context_len == 0) continue;  // nothing to attend to
+    if (end == begin || context_len == 0) continue;  // nothing to attend to: zeros
+    if (context_len < end - begin) return invalid("a sequence has more query rows than context tokens");
     if (context_len > p.max_blocks * p.block_size)
       return invalid("a context is longer than its block table holds");
     for (int64_t b = 0; b < (context_len + p.block_size - 1) / p.block_size; ++b) {
