@@ -64,8 +64,14 @@ struct Problem {
   float scale;
 };
 
+// Query tokens [first_token, first_token + num_tokens) of `seq`, the query heads of
+// `kv_head`, against keys [key_begin, key_end). An item that is one of `parts` > 1 key ranges
+// of the same rows leaves its unnormalised result at `partial` (see merge_parts).
 struct Item {
   int32_t seq, kv_head, first_token, num_tokens;
+  int64_t key_begin, key_end;
+  int32_t part = 0, parts = 1;
+  int64_t partial = -1;  // offset into the partial results, in floats
 };
 
 using v16 = float __attribute__((vector_size(64), aligned(4), may_alias));
@@ -340,7 +346,7 @@ struct Chunk {
 // Keys and values are read in place, kChunk at a time; head_dim is a multiple of 16. With
 // 16 rows or more, the rows sit in vector lanes; with fewer, one after another.
 template <typename QT, typename KVT, int kD>
-void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
+void attend(const Problem& p, const Item& item, std::vector<float>& scratch, float* partials) {
   const int D = kD ? kD : int(p.head_dim);
   const int group = int(p.q_heads / p.kv_heads);
   const int rows = item.num_tokens * group;
@@ -349,7 +355,7 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   const int32_t seq = item.seq;
   const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
   const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
-  const int64_t num_keys = first_pos + item.num_tokens;
+  const int64_t num_keys = item.key_end;
 
   scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D), 0.0f);
   float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled
@@ -363,7 +369,7 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   const KVT* k_in = static_cast<const KVT*>(p.k_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
   const KVT* v_in = static_cast<const KVT*>(p.v_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
   const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks;
-  prefetch_blocks(k_in, v_in, table, 0, num_keys, p.block_size, D);
+  prefetch_blocks(k_in, v_in, table, item.key_begin, num_keys, p.block_size, D);
 
   const QT* q_in = static_cast<const QT*>(p.q);
   for (int t = 0; t < item.num_tokens; ++t)
@@ -374,7 +380,7 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     }
 
   Chunk<KVT> chunk;
-  for (int64_t start = 0; start < num_keys; start += kChunk) {
+  for (int64_t start = item.key_begin; start < num_keys; start += kChunk) {
     const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
     prefetch_blocks(k_in, v_in, table, start + kChunk, num_keys, p.block_size, D);
     chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, converted);
@@ -390,6 +396,13 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     }
   }
 
+  if (item.parts > 1) {  // acc [rows, D], then m and l [rows], for merge_parts
+    float* partial = partials + item.partial;
+    std::copy(acc, acc + size_t(rows) * D, partial);
+    std::copy(m, m + rows, partial + size_t(rows) * D);
+    std::copy(l, l + rows, partial + size_t(rows) * (D + 1));
+    return;
+  }
   QT* out = static_cast<QT*>(p.out);
   for (int t = 0; t < item.num_tokens; ++t)
     for (int g = 0; g < group; ++g) {
@@ -398,6 +411,35 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
       QT* dst = out + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
       for (int d = 0; d < D; ++d) store(acc[size_t(r) * D + d] * inverse, dst + d);
     }
+}
+
+// Combines the key ranges of split items: each part's running max m, sum l and unnormalised
+// output acc, rescaled to the largest max, then normalised.
+template <typename QT>
+void merge_parts(const Problem& p, const std::vector<Item>& items, const float* partials) {
+  const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
+  std::vector<float> out_row(D);
+  for (size_t first = 0; first < items.size(); first += items[first].parts) {
+    const Item& item = items[first];
+    if (item.parts == 1) continue;
+    const int64_t rows = item.num_tokens * group;
+    for (int64_t r = 0; r < rows; ++r) {
+      float max = -INFINITY;
+      for (int part = 0; part < item.parts; ++part)
+        max = std::max(max, partials[items[first + part].partial + rows * D + r]);
+      float total = 0.0f;
+      std::fill(out_row.begin(), out_row.end(), 0.0f);
+      for (int part = 0; part < item.parts; ++part) {
+        const float* partial = partials + items[first + part].partial;
+        const float weight = partial[rows * D + r] == -INFINITY ? 0.0f : std::exp(partial[rows * D + r] - max);
+        total += weight * partial[rows * (D + 1) + r];
+        for (int64_t d = 0; d < D; ++d) out_row[d] += weight * partial[r * D + d];
+      }
+      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+      QT* dst = static_cast<QT*>(p.out) + ((item.first_token + r / group) * p.q_heads + item.kv_head * group + r % group) * D;
+      for (int64_t d = 0; d < D; ++d) store(out_row[d] * inverse, dst + d);
+    }
+  }
 }
 
 ffi::Unexpected<ffi::Error> invalid(const char* message) {
@@ -420,41 +462,75 @@ ffi::ErrorOr<std::vector<Item>> work_items(const Problem& p) {
       const int32_t block = p.block_tables[seq * p.max_blocks + b];
       if (block < 0 || block >= p.num_blocks) return invalid("a block table entry is out of range");
     }
-    for (int32_t first = begin; first < end; first += kTileTokens)
-      for (int32_t h = 0; h < p.kv_heads; ++h)
-        items.push_back({seq, h, first, std::min(kTileTokens, end - first)});
+    for (int32_t first = begin; first < end; first += kTileTokens) {
+      const int32_t tokens = std::min(kTileTokens, end - first);
+      const int64_t num_keys = context_len - (end - first) + tokens;  // up to the tile's last position
+      for (int32_t h = 0; h < p.kv_heads; ++h) items.push_back({seq, h, first, tokens, 0, num_keys});
+    }
   }
   return items;
 }
 
-template <typename QT, typename KVT, int kD>
-void run_items(const Problem& p, const std::vector<Item>& items, std::atomic<int64_t>& next,
-               std::atomic<int64_t>& done) {
-  std::vector<float> scratch;
-  for (int64_t i; (i = next.fetch_add(1)) < int64_t(items.size());) {
-    attend<QT, KVT, kD>(p, items[i], scratch);
-    done.fetch_add(1, std::memory_order_release);
+// With fewer items than twice the workers (a long sequence decoding alone), splits each
+// item's keys into parts of whole chunks, so every worker has work; returns the floats the
+// parts' partial results need.
+int64_t split_keys(const Problem& p, std::vector<Item>& items, int64_t workers) {
+  if (items.empty() || int64_t(items.size()) >= 2 * workers) return 0;
+  const int64_t wanted = (4 * workers + int64_t(items.size()) - 1) / int64_t(items.size());
+  std::vector<Item> split;
+  int64_t floats = 0;
+  for (const Item& item : items) {
+    const int64_t chunks = (item.key_end + kChunk - 1) / kChunk;
+    const int64_t per_part = (chunks + std::min(wanted, chunks) - 1) / std::min(wanted, chunks);
+    const int32_t parts = int32_t((chunks + per_part - 1) / per_part);
+    const int64_t rows = int64_t(item.num_tokens) * (p.q_heads / p.kv_heads);
+    for (int32_t part = 0; part < parts; ++part) {
+      Item piece = item;
+      piece.key_begin = part * per_part * kChunk;
+      piece.key_end = std::min(item.key_end, (part + 1) * per_part * kChunk);
+      piece.part = part;
+      piece.parts = parts;
+      if (parts > 1) {
+        piece.partial = floats;
+        floats += rows * (p.head_dim + 2);
+      }
+      split.push_back(piece);
+    }
   }
+  items = std::move(split);
+  return floats;
 }
 
 struct Shared {
   Problem problem;
   std::vector<Item> items;
+  std::vector<float> partials;
   std::atomic<int64_t> next{0}, done{0};
 };
 
 template <typename QT, typename KVT, int kD>
+void run_items(Shared& shared) {
+  std::vector<float> scratch;
+  for (int64_t i; (i = shared.next.fetch_add(1)) < int64_t(shared.items.size());) {
+    attend<QT, KVT, kD>(shared.problem, shared.items[i], scratch, shared.partials.data());
+    shared.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename QT, typename KVT, int kD>
 void run(const Problem& problem, std::vector<Item> items, ffi::ThreadPool& pool) {
+  // The caller works too, so one helper fewer than XLA's threads keeps one worker per core.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   auto shared = std::make_shared<Shared>();
   shared->problem = problem;
+  shared->partials.resize(split_keys(problem, items, workers));
   shared->items = std::move(items);
   const int64_t total = int64_t(shared->items.size());
-  // The caller works too, so one helper fewer than XLA's threads keeps one worker per core.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([shared] { run_items<QT, KVT, kD>(shared->problem, shared->items, shared->next, shared->done); });
-  run_items<QT, KVT, kD>(shared->problem, shared->items, shared->next, shared->done);
+  const int64_t helpers = std::min<int64_t>(workers - 1, total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { run_items<QT, KVT, kD>(*shared); });
+  run_items<QT, KVT, kD>(*shared);
   while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  if (!shared->partials.empty()) merge_parts<QT>(shared->problem, shared->items, shared->partials.data());
 }
 
 template <typename QT, typename KVT>

@@ -243,3 +243,15 @@ def test_native_ragged_refuses_inconsistent_rows():
         call(*s.ragged_args[:4], s.context_lens.at[0].set(3), s.query_start_loc).block_until_ready()
     with pytest.raises(Exception, match="block table entry is out of range"):
         call(s.q, s.k_cache, s.v_cache, s.block_tables.at[1, 0].set(-1), *s.ragged_args[4:]).block_until_ready()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_splits_a_lone_long_sequence(dtype):
+    """With fewer (sequence, KV head) pairs than twice the cores, the native kernel splits the
+    keys into parts and merges them: one decoding sequence, and one chunk of 12 tokens after
+    a long cached prefix, whose rows see different numbers of keys in the last part."""
+    d = make(decode_seqs([1037]), q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    assert_close(jax.jit(pallas_paged.paged_attention)(*d.decode_args), reference.paged_attention(*d.decode_args), dtype)
+    r = make([(1100, 12)], q_heads=4, kv_heads=1, head_dim=64, block_size=16, dtype=dtype, padding_tokens=2)
+    actual = jax.jit(pallas_paged.ragged_paged_attention)(*r.ragged_args)
+    assert_close(actual, reference.ragged_paged_attention(*r.ragged_args), dtype)
