@@ -5,9 +5,10 @@ num_blocks, block_size, head_dim]``; slot ``block * block_size + offset``.
 
 Each attention op picks its implementation for the platform being lowered
 for (``jax.lax.platform_dependent``), not the process's default backend:
-the same jitted function runs the Pallas kernel in interpret mode on CPU,
-compiles it with Triton for CUDA, and on TPU uses a Mosaic kernel for decode and an XLA
-formulation for ragged attention.
+the same jitted function runs the native kernel (:mod:`pallas_paged.native`)
+on CPU, compiles the Pallas kernel with Triton for CUDA, and on TPU uses a
+Mosaic kernel for decode and an XLA formulation for ragged attention. Where
+the native kernel cannot run, CPUs run the Pallas kernel in interpret mode.
 """
 
 from __future__ import annotations
