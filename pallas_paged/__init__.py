@@ -61,6 +61,13 @@ def _native_fits(q, k_cache) -> bool:
     return native.supports(q.dtype, k_cache.dtype, q.shape[-1]) and native.available()
 
 
+def _cpu_kernel(native_kernel, pallas_kernel, q, k_cache, scale):
+    """What CPUs run: ``native_kernel`` where it fits, else ``pallas_kernel`` in interpret mode."""
+    if _native_fits(q, k_cache):
+        return functools.partial(native_kernel, scale=scale)
+    return functools.partial(pallas_kernel, scale=scale, tiling=tiling.CPU, interpret=True)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
     """Decode attention: one query token per sequence, through block tables.
 
@@ -75,11 +82,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(decode.paged_attention, scale=scale)
-    cpu = (functools.partial(native.paged_attention, scale=scale) if _native_fits(q, k_cache)
-           else functools.partial(common, tiling=tiling.CPU, interpret=True))
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens,
-        cpu=cpu,
+        cpu=_cpu_kernel(native.paged_attention, decode.paged_attention, q, k_cache, scale),
         cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.paged_attention, scale=scale, interpret=False),
@@ -99,11 +104,9 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(ragged.ragged_paged_attention, scale=scale)
-    cpu = (functools.partial(native.ragged_paged_attention, scale=scale) if _native_fits(q, k_cache)
-           else functools.partial(common, tiling=tiling.CPU, interpret=True))
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        cpu=cpu,
+        cpu=_cpu_kernel(native.ragged_paged_attention, ragged.ragged_paged_attention, q, k_cache, scale),
         cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.ragged_paged_attention, scale=scale),
