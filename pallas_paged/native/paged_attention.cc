@@ -145,24 +145,6 @@ inline float exponentiate(float* s, int visible, float max) {
   return sum(total);
 }
 
-// Asks for the blocks holding keys [first, first + kChunk) ahead of use: each block is a
-// separate run of memory, which the hardware prefetcher does not guess.
-template <typename KVT>
-inline void prefetch_blocks(const KVT* k, const KVT* v, const int32_t* table, int64_t first, int64_t num_keys,
-                            int64_t block_size, int64_t D) {
-  if (first >= num_keys) return;
-  const int64_t last = std::min(first + kChunk, num_keys) - 1;
-  const int64_t block_bytes = block_size * D * int64_t(sizeof(KVT));
-  for (int64_t b = first / block_size; b <= last / block_size; ++b) {
-    const char* k_block = reinterpret_cast<const char*>(k + int64_t(table[b]) * block_size * D);
-    const char* v_block = reinterpret_cast<const char*>(v + int64_t(table[b]) * block_size * D);
-    for (int64_t offset = 0; offset < block_bytes; offset += 64) {
-      __builtin_prefetch(k_block + offset);
-      __builtin_prefetch(v_block + offset);
-    }
-  }
-}
-
 // Row blocks sized so a block's accumulators fill 16 vector registers.
 template <int kD>
 constexpr int kRowBlock = kD ? std::max(1, 16 / (kD / 16)) : 1;
@@ -313,31 +295,31 @@ void softmax_by_row(float* s, int rows, int keys, int64_t first_visible, int gro
   }
 }
 
-// Pointers to kChunk keys' and values' rows, float32 (a 16-bit cache is converted once
-// here, not once per query row).
+// kChunk keys and values copied out of their blocks into one float32 buffer ([2, kChunk, D]),
+// converting a 16-bit cache once here rather than once per query row. The copy also reads
+// faster than computing on the blocks in place: its loads are independent of each other, so
+// the core keeps many cache misses in flight over blocks scattered in memory, where the
+// hardware prefetcher does not follow: a fifth less time for 32 sequences x 2048 tokens with
+// shuffled blocks, and 4% off a float32 chat run, for a little more time when the blocks are
+// already in cache. Software prefetching measured no faster, so there is none.
 template <typename KVT>
 struct Chunk {
   const float* k_rows[kChunk];
   const float* v_rows[kChunk];
 
   void gather(const KVT* k, const KVT* v, const int32_t* table, int64_t start, int keys, int64_t block_size, int D,
-              float* converted) {
+              float* buffer) {
     for (int c = 0; c < keys; ++c) {
       const int64_t key = start + c;
       const int64_t offset = (int64_t(table[key / block_size]) * block_size + key % block_size) * D;
-      if constexpr (std::is_same_v<KVT, float>) {
-        k_rows[c] = k + offset;
-        v_rows[c] = v + offset;
-      } else {
-        float* k_copy = converted + size_t(c) * D;
-        float* v_copy = converted + size_t(kChunk + c) * D;
-        for (int j = 0; j < D; j += 16) {
-          *reinterpret_cast<v16*>(k_copy + j) = load16(k + offset + j);
-          *reinterpret_cast<v16*>(v_copy + j) = load16(v + offset + j);
-        }
-        k_rows[c] = k_copy;
-        v_rows[c] = v_copy;
+      float* k_copy = buffer + size_t(c) * D;
+      float* v_copy = buffer + size_t(kChunk + c) * D;
+      for (int j = 0; j < D; j += 16) {
+        *reinterpret_cast<v16*>(k_copy + j) = load16(k + offset + j);
+        *reinterpret_cast<v16*>(v_copy + j) = load16(v + offset + j);
       }
+      k_rows[c] = k_copy;
+      v_rows[c] = v_copy;
     }
   }
 };
@@ -357,19 +339,18 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
   const int64_t num_keys = item.key_end;
 
-  scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D), 0.0f);
+  scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + 2 * kChunk * D, 0.0f);
   float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled
   float* acc = q + size_t(R) * D;            // [R, D]
   float* m = acc + size_t(R) * D;            // [R] running max
   float* l = m + R;                          // [R] running sum
   float* s = l + R;                          // [R, kChunk], or [kChunk, R] in lanes: scores, then weights
-  float* converted = s + size_t(R) * kChunk; // [2, kChunk, D] a 16-bit chunk in float32
+  float* chunk_buffer = s + size_t(R) * kChunk;  // [2, kChunk, D]: the chunk's keys and values
   std::fill(m, m + R, -INFINITY);
 
   const KVT* k_in = static_cast<const KVT*>(p.k_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
   const KVT* v_in = static_cast<const KVT*>(p.v_cache) + int64_t(item.kv_head) * p.num_blocks * p.block_size * D;
   const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks;
-  prefetch_blocks(k_in, v_in, table, item.key_begin, num_keys, p.block_size, D);
 
   const QT* q_in = static_cast<const QT*>(p.q);
   for (int t = 0; t < item.num_tokens; ++t)
@@ -382,8 +363,7 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   Chunk<KVT> chunk;
   for (int64_t start = item.key_begin; start < num_keys; start += kChunk) {
     const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
-    prefetch_blocks(k_in, v_in, table, start + kChunk, num_keys, p.block_size, D);
-    chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, converted);
+    chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, chunk_buffer);
     const int64_t first_visible = first_pos - start;  // row r sees keys c <= this + r / group
     if (in_lanes) {
       scores_in_lanes<kD>(q, R, chunk.k_rows, keys, D, s);
