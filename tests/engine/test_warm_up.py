@@ -75,3 +75,19 @@ def test_prompt_logprobs_compile_no_sampler_program_with_bfloat16_weights(tmp_pa
     samplers = sampler.sample._cache_size()
     llm.generate([list(range(3, 43))], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)
     assert sampler.sample._cache_size() == samplers
+
+
+def test_a_long_prefill_runs_three_quarters_of_a_power_of_two(tmp_path, monkeypatch):
+    """1100 prompt tokens in one step run as 1536 rows, not 2048, and give the tokens the
+    same prompts give one at a time."""
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=512, max_num_batched_tokens=2048)
+    batch = [list(range(3 + i, 113 + i)) for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    rows = []
+    run = llm.engine.runner.run
+    monkeypatch.setattr(llm.engine.runner, "run", lambda inputs, caches: rows.append(len(inputs.input_ids))
+                        or run(inputs, caches))
+    together = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert rows[0] == 1536
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in batch]
+    assert together == alone
