@@ -298,15 +298,23 @@ void softmax_by_row(float* s, int rows, int keys, int64_t first_visible, int gro
 // Loads every cache line of a chunk's keys and values once, and discards them. These loads do
 // not depend on each other, so the core keeps many cache misses in flight, over blocks
 // scattered in memory where the hardware prefetcher does not follow; the attention math
-// that then reads the chunk, with its chains of dependent operations, keeps only a few. It
-// measured 1.7x faster on 32 sequences x 2048 tokens with shuffled blocks (and faster than
-// copying the chunk, or software prefetching, which did nothing here), and costs about 15%
-// when the blocks are already in cache.
-inline void touch(const float* const* k_rows, const float* const* v_rows, int keys, int D) {
-  v16 sum{};
+// that then reads the chunk, with its chains of dependent operations, keeps only a few.
+// Measured on 32 sequences x 2048 tokens with shuffled blocks: float32 1.7x faster (and
+// faster than copying the chunk, or than software prefetching, which did nothing here),
+// bfloat16 1.25x; about 15% slower when the blocks are already in cache.
+//
+// Rows start on a 32-byte boundary and are a multiple of 32 bytes long (head_dim is a
+// multiple of 16), so a load every 64 bytes from a row's start reaches each of its lines.
+inline void touch(const char* k, const char* v, const int64_t* offsets, int keys, int64_t row_bytes) {
+  float sum = 0.0f;
   for (int c = 0; c < keys; ++c)
-    for (int j = 0; j < D; j += 16) sum += load16(k_rows[c] + j) + load16(v_rows[c] + j);
-  volatile float sink = sum[0];
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      float k_word, v_word;
+      std::memcpy(&k_word, k + offsets[c] + b, sizeof k_word);
+      std::memcpy(&v_word, v + offsets[c] + b, sizeof v_word);
+      sum += k_word + v_word;
+    }
+  volatile float sink = sum;
   (void)sink;
 }
 
@@ -319,24 +327,30 @@ struct Chunk {
 
   void gather(const KVT* k, const KVT* v, const int32_t* table, int64_t start, int keys, int64_t block_size, int D,
               float* converted) {
+    int64_t offsets[kChunk];  // in elements
     for (int c = 0; c < keys; ++c) {
       const int64_t key = start + c;
-      const int64_t offset = (int64_t(table[key / block_size]) * block_size + key % block_size) * D;
+      offsets[c] = (int64_t(table[key / block_size]) * block_size + key % block_size) * D;
+    }
+    int64_t byte_offsets[kChunk];
+    for (int c = 0; c < keys; ++c) byte_offsets[c] = offsets[c] * int64_t(sizeof(KVT));
+    touch(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), byte_offsets, keys,
+          D * int64_t(sizeof(KVT)));
+    for (int c = 0; c < keys; ++c) {
       if constexpr (std::is_same_v<KVT, float>) {
-        k_rows[c] = k + offset;
-        v_rows[c] = v + offset;
+        k_rows[c] = k + offsets[c];
+        v_rows[c] = v + offsets[c];
       } else {
         float* k_copy = converted + size_t(c) * D;
         float* v_copy = converted + size_t(kChunk + c) * D;
         for (int j = 0; j < D; j += 16) {
-          *reinterpret_cast<v16*>(k_copy + j) = load16(k + offset + j);
-          *reinterpret_cast<v16*>(v_copy + j) = load16(v + offset + j);
+          *reinterpret_cast<v16*>(k_copy + j) = load16(k + offsets[c] + j);
+          *reinterpret_cast<v16*>(v_copy + j) = load16(v + offsets[c] + j);
         }
         k_rows[c] = k_copy;
         v_rows[c] = v_copy;
       }
     }
-    if constexpr (std::is_same_v<KVT, float>) touch(k_rows, v_rows, keys, D);
   }
 };
 
