@@ -49,7 +49,14 @@ def _head(config, params, h):
     return models.stages(config).head(params, h, jax.numpy.arange(h.shape[0]))
 
 
-STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head}
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
+def _decode(config, params, input_ids, positions, metadata, kv_caches):
+    """The whole model for a decode step: the logits of every row (see ``ModelRunner.run``)."""
+    every_row = metadata.replace(logits_indices=jax.numpy.arange(input_ids.shape[0]))
+    return models.forward_fn(config)(params, input_ids, positions, every_row, kv_caches)
+
+
+STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode}
 _compiled: dict = {}
 _lock = threading.Lock()
 

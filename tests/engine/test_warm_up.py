@@ -91,3 +91,17 @@ def test_a_long_prefill_runs_three_quarters_of_a_power_of_two(tmp_path, monkeypa
     assert rows[0] == 1536
     alone = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in batch]
     assert together == alone
+
+
+def test_small_decode_steps_run_as_one_program_with_the_same_tokens(tmp_path, monkeypatch):
+    llm, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    runner = llm.engine.runner
+    assert runner.one_program_buckets == (1, 2, 4, 8)
+    stages = []
+    call = programs.call
+    monkeypatch.setattr(programs, "call", lambda stage, *args, **kwargs: stages.append(stage) or call(stage, *args, **kwargs))
+    batch, params = prompts(3, hf.config.vocab_size), SamplingParams(temperature=0, max_tokens=6)
+    whole = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert stages.count("decode") == 5 and "embed" in stages  # 5 decode steps; the prefill by stages
+    runner.one_program_buckets = ()
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == whole
