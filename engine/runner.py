@@ -40,8 +40,8 @@ def powers_of_two(low: int, high: int, *, factor: int = 2) -> tuple[int, ...]:
 
 
 def token_sizes(low: int, high: int) -> tuple[int, ...]:
-    """The token buckets of steps with prompts: :func:`powers_of_two` from ``low``, and from
-    three quarters of each power of two from 1024 on (768, 1536, ...). A step of 1100 prompt tokens then
+    """The token buckets of steps with prompts: :func:`powers_of_two` from ``low``, and three
+    quarters of each of them from 1024 on (768, 1536, ...). A step of 1100 prompt tokens then
     runs 1536 rows, not 2048: at these sizes a step costs time in proportion to its rows
     (about 0.65 ms per row in float32 here), while each extra size costs one more layer
     program to compile at start-up."""

@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import functools
-
-import jax
 from collections.abc import Callable
 from typing import NamedTuple
+
+import jax
 
 from models.config import ModelConfig, ModelLoadError
 from models.loader import ARCHITECTURES, LoadedModel, load_model, resolve
