@@ -61,9 +61,11 @@ def bucket(sizes: Sequence[int], n: int) -> int:
 def _min_rows(params) -> int:
     """The fewest rows a program multiplies by the weights. XLA:CPU's bfloat16 matrix-vector
     product runs at a tenth of the speed of its two-row product (``benchmarks/throughput.py
-    chat`` measures it), so 16-bit weights get at least two rows; float32 is fastest unpadded."""
-    weights = jax.tree.leaves(params)
-    return 2 if any(w.dtype.itemsize == 2 for w in weights) and jax.default_backend() == "cpu" else 1
+    chat`` measures it), so 16-bit weights XLA multiplies get at least two rows; float32 and
+    weights packed for the native product are fastest unpadded."""
+    head = params["lm_head"]["w"] if "lm_head" in params else params["embed"]
+    xla_products = [w for w in [*jax.tree.leaves(params["layers"]), head] if w.ndim == 2]  # packed ones are 3-D
+    return 2 if any(w.dtype.itemsize == 2 for w in xla_products) and jax.default_backend() == "cpu" else 1
 
 
 # Decode steps of up to this many rows run the whole model as one program (the "decode" stage)
@@ -97,7 +99,8 @@ class ModelRunner:
     def __init__(self, config: models.ModelConfig, params, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, mesh=None):
         self.config = config
-        self.params = params
+        # bfloat16 weights packed for the native CPU product, where it runs (not under a mesh).
+        self.params = params = params if mesh is not None else models.packed_for_cpu(params)
         # What the embed and head stages read: everything but the layers. Passing the whole
         # tree would cost each of those calls a few milliseconds of argument handling.
         self.outer_params = {key: value for key, value in params.items() if key != "layers"}

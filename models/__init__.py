@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 
 from models.config import ModelConfig, ModelLoadError
+from models.layers import packed_for_cpu
 from models.loader import ARCHITECTURES, LoadedModel, load_model, resolve
 from models.metadata import Metadata
 from models.sharding import kv_cache_specs, named_shardings, param_specs
@@ -28,6 +29,7 @@ __all__ = [
     "kv_cache_specs",
     "load_model",
     "named_shardings",
+    "packed_for_cpu",
     "param_specs",
     "resolve",
     "stages",

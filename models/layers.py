@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_paged
 from models.config import ModelConfig, ModelLoadError
 
 ACTIVATIONS = {
@@ -31,13 +32,31 @@ ACTIVATIONS = {
 def linear(x, p):
     """x: [T, in] → float32 [T, out] with ``p = {"w": [in, out], "b"?: [out]}``.
 
-    The product runs in the weights' dtype with float32 accumulation and a float32 result:
-    activations stay float32 between layers whatever the weights are. That is also XLA:CPU's
-    fast bfloat16 path (a bfloat16-accumulating dot runs at half the speed).
+    The product (:func:`pallas_paged.matmul`) runs in the weights' dtype with float32
+    accumulation and a float32 result: activations stay float32 between layers whatever the
+    weights are. ``w`` may be packed for the native CPU product (:func:`packed_for_cpu`).
     """
-    w = p["w"]
-    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    y = pallas_paged.matmul(x, p["w"])
     return y + p["b"].astype(jnp.float32) if "b" in p else y
+
+
+def packed_for_cpu(params):
+    """``params`` with every linear weight :func:`pallas_paged.packable` packed for the native
+    CPU product, and a tied embedding given a packed copy of itself as the head
+    (``"lm_head"``, about 57 MB more for SmolLM2); the same params where nothing packs."""
+    def visit(node):
+        if isinstance(node, list):
+            return [visit(child) for child in node]
+        if not isinstance(node, dict):
+            return node
+        node = {key: visit(child) for key, child in node.items()}
+        if not isinstance(node.get("w", {}), dict) and pallas_paged.packable(node["w"]):
+            node["w"] = pallas_paged.pack(node["w"])
+        return node
+    packed = visit(params)
+    if "lm_head" not in packed and pallas_paged.packable(params["embed"].T):
+        packed["lm_head"] = {"w": pallas_paged.pack(params["embed"].T)}
+    return packed
 
 
 def rms_norm(x, p, eps):
@@ -112,9 +131,7 @@ def logits(params, h):
     """Vocabulary logits. h: [L, hidden'] → float32[L, vocab], tied to ``params["embed"]`` without an lm_head."""
     if "lm_head" in params:
         return linear(h, params["lm_head"])
-    embed = params["embed"]  # [vocab, hidden]: contract over hidden, no transposed copy
-    return jax.lax.dot_general(h.astype(embed.dtype), embed, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    return pallas_paged.matmul(h, params["embed"], transposed=True)  # embed: [vocab, hidden], no copy
 
 
 def tensor_from_hf(get, name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -21,6 +21,7 @@ import jax
 from pallas_paged import decode, decode_tpu, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
+from pallas_paged.matmul import is_packed, matmul, pack, packable
 from pallas_paged.xla_options import compiler_options
 
 __all__ = [
@@ -28,6 +29,10 @@ __all__ = [
     "blocks_needed",
     "compiler_options",
     "copy_blocks",
+    "is_packed",
+    "matmul",
+    "pack",
+    "packable",
     "paged_attention",
     "ragged_paged_attention",
     "swap_in",

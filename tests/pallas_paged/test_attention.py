@@ -196,9 +196,9 @@ def test_native_kernel_refuses_reads_out_of_range():
 
 
 def test_without_a_compiler_cpus_run_the_pallas_kernel(tmp_path):
-    """No C++ compiler (here ``CXX`` names one that fails): one warning says why, and attention
-    runs the interpreted Pallas kernel with the same results. A fresh process, as the build
-    is attempted once per process."""
+    """No C++ compiler (here ``CXX`` names one that fails): one warning says why, attention
+    runs the interpreted Pallas kernel with the same results, and no weight is packed for
+    the native product. A fresh process, as the build is attempted once per process."""
     script = (
         "import jax, numpy as np, pallas_paged\n"
         "from pallas_paged import native, reference\n"
@@ -207,12 +207,13 @@ def test_without_a_compiler_cpus_run_the_pallas_kernel(tmp_path):
         "assert native.TARGET not in jax.jit(pallas_paged.paged_attention).lower(*s.decode_args).as_text()\n"
         "np.testing.assert_allclose(pallas_paged.paged_attention(*s.decode_args),\n"
         "                           reference.paged_attention(*s.decode_args), atol=2e-5)\n"
+        "assert not pallas_paged.packable(np.ones((4, 64), jax.numpy.bfloat16))\n"
     )
     env = {**os.environ, "CXX": "false", "PALLAS_PAGED_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                             cwd=pathlib.Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
-    assert "native CPU attention unavailable, using the interpreted Pallas kernel" in result.stderr
+    assert "native CPU kernels unavailable, using the interpreted Pallas kernel" in result.stderr
     assert "false --version failed" in result.stderr  # the message names the compiler that failed
 
 

@@ -1,0 +1,60 @@
+"""Matrix products for the models: ``x @ w`` in the weights' dtype, accumulated and
+returned in float32.
+
+On a CPU with AVX512-BF16, bfloat16 weights can be packed ahead of time (:func:`pack`,
+which the engine's runner applies to every weight it can) for the native product
+(:func:`pallas_paged.native.matmul`). A packed weight is a uint32 ``[N/64, K/2, 64]``
+array: 64 output columns per panel, each word the pair of bfloat16 ``(w[2s, n],
+w[2s+1, n])``. Everything else runs XLA's dot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_paged import native
+
+PANEL = 64  # output columns per panel of a packed weight
+
+
+def packable(w) -> bool:
+    """Whether :func:`pack` applies to ``w`` here: bfloat16 ``[K, N]`` with K even and N a
+    multiple of 64, on a CPU whose native kernel runs, outside a device mesh (where XLA
+    partitions the product), unless ``PALLAS_PAGED_CPU_MATMUL=xla`` (for comparisons)."""
+    if w.ndim != 2 or np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.shape[0] % 2 or w.shape[1] % PANEL:
+        return False
+    if os.environ.get("PALLAS_PAGED_CPU_MATMUL", "native") == "xla":
+        return False
+    if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().axis_names:
+        return False
+    return native.matmul_available()
+
+
+def is_packed(w) -> bool:
+    """Whether ``w`` is a weight :func:`pack` made."""
+    return w.ndim == 3 and np.dtype(w.dtype) == np.dtype(jnp.uint32) and w.shape[2] == PANEL
+
+
+@jax.jit
+def pack(w):
+    """bfloat16 w: [K, N] → uint32 [N/64, K/2, 64], the native product's layout (see above)."""
+    k, n = w.shape
+    pairs = jax.lax.bitcast_convert_type(w.reshape(k // 2, 2, n).transpose(0, 2, 1), jnp.uint32)  # [K/2, N]
+    return pairs.reshape(k // 2, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def matmul(x, w, *, transposed: bool = False):
+    """x: [..., K] and w: [K, N], [N, K] when ``transposed`` (a tied embedding as the head),
+    or packed by :func:`pack` → float32 [..., N]. x is cast to w's dtype first."""
+    if is_packed(w):
+        rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+        out = native.matmul(rows, w)
+    else:
+        rows = x.astype(w.dtype).reshape(-1, x.shape[-1])
+        contract = 1 if transposed else 0
+        out = jax.lax.dot_general(rows, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

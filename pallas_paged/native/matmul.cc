@@ -1,0 +1,154 @@
+// bfloat16 matrix products for CPUs with AVX512-BF16, as an XLA FFI custom call.
+//
+// out = x @ w in float32, for bfloat16 x and weights w packed ahead of time (see
+// pallas_paged/matmul.py: pack). XLA:CPU converts a bfloat16 product's operands and
+// multiplies in float32, and reads its weights a few columns at a time, a page apart; the
+// core's VDPBF16PS multiplies pairs of bfloat16 into float32 sums, twice the work per
+// instruction, and packed weights are read in memory order.
+//
+// Shapes: x bf16 [M, K]; w uint32 [P, K/2, kPanel]: panel p holds w's columns
+// p*kPanel .. (p+1)*kPanel, each word the bfloat16 pair (w[2s, n], w[2s+1, n]) that one
+// VDPBF16PS lane reduces, low half first; out float32 [M, P*kPanel].
+//
+// Work items are panels (and, when there are few panels, groups of rows too), claimed by
+// the caller and XLA's intra-op threads from a shared counter. The kernel keeps a tile of
+// kRows x kPanel float32 sums in registers and streams its panel once per tile.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512BF16__)
+
+constexpr int kPanel = 64;  // outputs per panel: four 16-lane registers
+constexpr int kRows = 6;    // rows per register tile: 6 x 4 sums, 4 weights, 1 broadcast
+
+struct Product {
+  const uint32_t* x;  // [M, steps]: pairs of bfloat16 along K
+  const uint32_t* w;  // [panels, steps, kPanel]
+  float* out;         // [M, panels * kPanel]
+  int64_t m, n, steps;  // steps = K / 2
+};
+
+inline __mmask16 first_bits16(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
+// out[row : row + R, panel's columns] = x[row : row + R] @ panel.
+template <int R>
+void tile(const Product& p, int64_t panel, int64_t row) {
+  __m512 sum[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_setzero_ps();
+  const uint32_t* x = p.x + row * p.steps;
+  const uint32_t* w = p.w + panel * p.steps * kPanel;
+  for (int64_t s = 0; s < p.steps; ++s) {
+    __m512bh pairs[4];
+    for (int j = 0; j < 4; ++j) pairs[j] = __m512bh(_mm512_loadu_si512(w + s * kPanel + 16 * j));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = __m512bh(_mm512_set1_epi32(int(x[r * p.steps + s])));
+      for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_dpbf16_ps(sum[r][j], a, pairs[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.out + (row + r) * p.n + panel * kPanel + 16 * j, sum[r][j]);
+}
+
+void rows(const Product& p, int64_t panel, int64_t first, int64_t last) {
+  int64_t row = first;
+  for (; row + kRows <= last; row += kRows) tile<kRows>(p, panel, row);
+  switch (last - row) {
+    case 5: return tile<5>(p, panel, row);
+    case 4: return tile<4>(p, panel, row);
+    case 3: return tile<3>(p, panel, row);
+    case 2: return tile<2>(p, panel, row);
+    case 1: return tile<1>(p, panel, row);
+    default: return;
+  }
+}
+
+struct Shared {
+  Product p;
+  int64_t row_groups, rows_per_group, total;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void run_items(Shared& shared) {
+  const Product& p = shared.p;
+  for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
+    const int64_t first = (i % shared.row_groups) * shared.rows_per_group;
+    rows(p, i / shared.row_groups, first, std::min(p.m, first + shared.rows_per_group));
+    shared.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void run(const Product& p, ffi::ThreadPool& pool) {
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  auto shared = std::make_shared<Shared>();
+  shared->p = p;
+  const int64_t panels = p.n / kPanel;
+  // Few panels (a narrow product): split the rows too, in whole register tiles, so every
+  // worker has about four items.
+  const int64_t tiles = (p.m + kRows - 1) / kRows;
+  const int64_t groups = std::clamp<int64_t>((4 * workers + panels - 1) / panels, 1, tiles);
+  shared->rows_per_group = (tiles + groups - 1) / groups * kRows;
+  shared->row_groups = (p.m + shared->rows_per_group - 1) / shared->rows_per_group;
+  shared->total = panels * shared->row_groups;
+  const int64_t helpers = std::min<int64_t>(workers - 1, shared->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { run_items(*shared); });
+  run_items(*shared);
+  while (shared->done.load(std::memory_order_acquire) < shared->total) std::this_thread::yield();
+}
+
+#endif  // __AVX512BF16__
+
+using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
+using Panels = ffi::Buffer<ffi::U32, 3>;
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+
+ffi::Error matmul(ffi::ThreadPool pool, Bf16Matrix x, Panels w, ffi::Result<F32Matrix> out) {
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  const int64_t panels = w.dimensions()[0], steps = w.dimensions()[1], n = out->dimensions()[1];
+  if (k != 2 * steps || w.dimensions()[2] != 64 || out->dimensions()[0] != m || n != 64 * panels)
+    return ffi::Error::InvalidArgument("matmul: needs x [M, K], w [N/64, K/2, 64] and out [M, N]");
+#if defined(__AVX512BF16__)
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(out->typed_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  run(Product{static_cast<const uint32_t*>(x.untyped_data()), w.typed_data(), out->typed_data(), m, n, steps}, pool);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("matmul: built for a CPU without AVX512-BF16");
+#endif
+}
+
+}  // namespace
+
+// Whether this build has the kernel (the CPU it was built for has AVX512-BF16).
+extern "C" int PallasPagedMatmulAvailable() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Bf16Matrix>()
+                                  .Arg<Panels>()
+                                  .Ret<F32Matrix>());

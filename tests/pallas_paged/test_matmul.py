@@ -1,0 +1,74 @@
+"""The models' matrix product: bfloat16 weights packed for the native CPU kernel against
+float32 math on the same inputs, the packed layout, and when weights get packed."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged
+from pallas_paged import native
+
+pytestmark = pytest.mark.skipif(not native.matmul_available(), reason="this CPU has no AVX512-BF16")
+
+SHAPES = [  # (M, K, N): the kernel's code paths
+    pytest.param(1, 576, 1536, id="one-row"),
+    pytest.param(2, 576, 192, id="narrow-splits-rows"),
+    pytest.param(13, 40, 64, id="partial-tile-one-panel"),
+    pytest.param(70, 1536, 576, id="many-rows"),
+    pytest.param(3, 2, 128, id="one-pair"),
+]
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_packed_product_matches_float32_math(m, k, n):
+    """Products of bfloat16 are exact in float32, so only the order of the float32 sums differs."""
+    rng = np.random.default_rng(m * 1000 + n)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n))
+    got = jax.jit(pallas_paged.matmul)(x, pallas_paged.pack(w))
+    want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_packed_layout_pairs_rows_within_panels_of_64_columns():
+    """Word [p, s, j] holds w[2s, 64p + j] in its low half and w[2s + 1, 64p + j] in its high half."""
+    w = np.arange(4 * 128, dtype=np.float32).reshape(4, 128).astype(jnp.bfloat16)
+    packed = np.asarray(pallas_paged.pack(w))
+    assert packed.shape == (2, 2, 64) and packed.dtype == np.uint32
+    bits = w.view(np.uint16).astype(np.uint32)
+    assert packed[1, 1, 3] == bits[2, 67] | bits[3, 67] << 16
+    assert packed[0, 0, 63] == bits[0, 63] | bits[1, 63] << 16
+
+
+def test_what_packs(monkeypatch):
+    rng = np.random.default_rng(0)
+    assert pallas_paged.packable(_bf16(rng, (8, 64)))
+    assert not pallas_paged.packable(np.ones((8, 64), np.float32))  # XLA's float32 product is as fast
+    assert not pallas_paged.packable(_bf16(rng, (7, 64)))  # odd K
+    assert not pallas_paged.packable(_bf16(rng, (8, 96)))  # N not a multiple of 64
+    with jax.set_mesh(jax.make_mesh((1,), ("tp",))):  # XLA partitions products under a mesh
+        assert not pallas_paged.packable(_bf16(rng, (8, 64)))
+    monkeypatch.setenv("PALLAS_PAGED_CPU_MATMUL", "xla")
+    assert not pallas_paged.packable(_bf16(rng, (8, 64)))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["xla", "native"])
+def test_matmul_keeps_leading_axes_and_casts_to_the_weights_dtype(packed):
+    """x [2, 3, K] float32 → float32 [2, 3, N], whichever product runs."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    w = _bf16(rng, (64, 128))
+    got = pallas_paged.matmul(x, pallas_paged.pack(w) if packed else w)
+    want = jnp.einsum("abk,kn->abn", x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32),
+                      precision="highest")
+    assert got.shape == (2, 3, 128) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    lowered = jax.jit(pallas_paged.matmul).lower(x, pallas_paged.pack(w) if packed else w).as_text()
+    assert (native.MATMUL_TARGET in lowered) == packed
