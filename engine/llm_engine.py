@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import models
+import pallas_paged
 from models import gguf_cache
 from engine import beam_search, parallel, step_sampling
 from engine import scheduler as sch
@@ -66,15 +67,20 @@ def _checkpoint_version(path: Path) -> tuple:
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
-def _load_model(model: str | None, dtype: str) -> _SharedModel:
+def _load_model(model: str | None, dtype: str, *, packed: bool) -> _SharedModel:
     """The checkpoint's parameters, loaded once while some engine uses them: engines of the
     same files share them (they are immutable), a re-saved checkpoint is read afresh, and
-    they are freed with the last engine."""
+    they are freed with the last engine. ``packed`` (engines without a device mesh, where
+    :func:`pallas_paged.packing_enabled`) packs bfloat16 weights for the native CPU product (:func:`models.packed_for_cpu`) and keeps
+    only the packed ones."""
     path = models.resolve(model)
-    key = (str(path.resolve()), dtype, _checkpoint_version(path))
+    key = (str(path.resolve()), dtype, _checkpoint_version(path), packed)
     shared = _shared_models.get(key)
     if shared is None:
-        shared = _shared_models[key] = _SharedModel(models.load_model(path, dtype=dtype))
+        loaded = models.load_model(path, dtype=dtype)
+        if packed:
+            loaded = loaded._replace(params=models.packed_for_cpu(loaded.params))
+        shared = _shared_models[key] = _SharedModel(loaded)
     return shared
 
 
@@ -94,10 +100,11 @@ class LLMEngine:
         start = time.monotonic()
         _use_compilation_cache()
         self.config = config
-        self._model = _load_model(config.model, config.param_dtype)
+        mesh = parallel.make_mesh(config.tensor_parallel_size)
+        packed = mesh is None and pallas_paged.packing_enabled()
+        self._model = _load_model(config.model, config.param_dtype, packed=packed)
         self.model_config, params, self.tokenizer = self._model.loaded
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
-        mesh = parallel.make_mesh(config.tensor_parallel_size)
         spec = config.kv_cache_spec(self.model_config)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len

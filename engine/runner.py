@@ -99,8 +99,7 @@ class ModelRunner:
     def __init__(self, config: models.ModelConfig, params, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, mesh=None):
         self.config = config
-        # bfloat16 weights packed for the native CPU product, where it runs (not under a mesh).
-        self.params = params = params if mesh is not None else models.packed_for_cpu(params)
+        self.params = params
         # What the embed and head stages read: everything but the layers. Passing the whole
         # tree would cost each of those calls a few milliseconds of argument handling.
         self.outer_params = {key: value for key, value in params.items() if key != "layers"}

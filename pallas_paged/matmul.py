@@ -21,17 +21,23 @@ from pallas_paged import native
 PANEL = 64  # output columns per panel of a packed weight
 
 
-def packable(w) -> bool:
-    """Whether :func:`pack` applies to ``w`` here: bfloat16 ``[K, N]`` with K even and N a
-    multiple of 64, on a CPU whose native kernel runs, outside a device mesh (where XLA
-    partitions the product), unless ``PALLAS_PAGED_CPU_MATMUL=xla`` (for comparisons)."""
-    if w.ndim != 2 or np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.shape[0] % 2 or w.shape[1] % PANEL:
-        return False
+def packing_enabled() -> bool:
+    """Whether weights get packed here: on a CPU whose native product runs, outside a device
+    mesh (where XLA partitions the product), unless ``PALLAS_PAGED_CPU_MATMUL=xla`` (for
+    comparisons)."""
     if os.environ.get("PALLAS_PAGED_CPU_MATMUL", "native") == "xla":
         return False
     if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().axis_names:
         return False
     return native.matmul_available()
+
+
+def packable(w) -> bool:
+    """Whether :func:`pack` applies to ``w`` here: bfloat16 ``[K, N]`` with K even and N a
+    multiple of 64, where :func:`packing_enabled`."""
+    if w.ndim != 2 or np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.shape[0] % 2 or w.shape[1] % PANEL:
+        return False
+    return packing_enabled()
 
 
 def is_packed(w) -> bool:
