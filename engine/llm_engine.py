@@ -100,11 +100,11 @@ class LLMEngine:
         start = time.monotonic()
         _use_compilation_cache()
         self.config = config
-        mesh = parallel.make_mesh(config.tensor_parallel_size)
-        packed = mesh is None and pallas_paged.packing_enabled()
+        packed = config.tensor_parallel_size == 1 and pallas_paged.packing_enabled()  # no mesh
         self._model = _load_model(config.model, config.param_dtype, packed=packed)
         self.model_config, params, self.tokenizer = self._model.loaded
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
+        mesh = parallel.make_mesh(config.tensor_parallel_size)
         spec = config.kv_cache_spec(self.model_config)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
