@@ -12,7 +12,8 @@
 //
 // Work items are panels (and, when there are few panels, groups of rows too), claimed by
 // the caller and XLA's intra-op threads from a shared counter. The kernel keeps a tile of
-// kRows x kPanel float32 sums in registers and streams its panel once per tile.
+// kRows x kPanel float32 sums in registers and streams its panel once per tile, while it
+// requests the lines of the panel it will likely take next (Ahead).
 
 #include <algorithm>
 #include <atomic>
@@ -45,15 +46,25 @@ struct Product {
 
 inline __mmask16 first_bits16(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
 
+// Cache lines of a panel to request ahead of its use, spread over the steps of the tiles
+// before it: the first pass over a panel otherwise waits on memory, and the passes after it
+// on arithmetic, so a worker that fetches its next panel during those keeps both busy.
+struct Ahead {
+  const char* lines = nullptr;  // the first line to request
+  int64_t count = 0, per_step = 0;
+};
+
 // out[row : row + R, panel's columns] = x[row : row + R] @ panel.
 template <int R>
-void tile(const Product& p, int64_t panel, int64_t row) {
+void tile(const Product& p, int64_t panel, int64_t row, Ahead ahead) {
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_setzero_ps();
   const uint32_t* x = p.x + row * p.steps;
   const uint32_t* w = p.w + panel * p.steps * kPanel;
   for (int64_t s = 0; s < p.steps; ++s) {
+    for (int64_t line = s * ahead.per_step; line < std::min(ahead.count, (s + 1) * ahead.per_step); ++line)
+      _mm_prefetch(ahead.lines + 64 * line, _MM_HINT_T1);
     __m512bh pairs[4];
     for (int j = 0; j < 4; ++j) pairs[j] = __m512bh(_mm512_loadu_si512(w + s * kPanel + 16 * j));
     for (int r = 0; r < R; ++r) {
@@ -65,16 +76,23 @@ void tile(const Product& p, int64_t panel, int64_t row) {
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.out + (row + r) * p.n + panel * kPanel + 16 * j, sum[r][j]);
 }
 
-void rows(const Product& p, int64_t panel, int64_t first, int64_t last) {
-  int64_t row = first;
-  for (; row + kRows <= last; row += kRows) tile<kRows>(p, panel, row);
-  switch (last - row) {
-    case 5: return tile<5>(p, panel, row);
-    case 4: return tile<4>(p, panel, row);
-    case 3: return tile<3>(p, panel, row);
-    case 2: return tile<2>(p, panel, row);
-    case 1: return tile<1>(p, panel, row);
-    default: return;
+// Rows first .. last of a panel, in register tiles, requesting the lines of panel `next`
+// (if not negative) along the way.
+void rows(const Product& p, int64_t panel, int64_t first, int64_t last, int64_t next) {
+  const int64_t tiles = (last - first + kRows - 1) / kRows, lines = next < 0 ? 0 : p.steps * kPanel * 4 / 64;
+  const int64_t per_tile = (lines + tiles - 1) / tiles;
+  const char* start = reinterpret_cast<const char*>(p.w + std::max<int64_t>(next, 0) * p.steps * kPanel);
+  for (int64_t t = 0, row = first; row < last; ++t, row += kRows) {
+    const int64_t begin = std::min(lines, t * per_tile), count = std::min(lines, begin + per_tile) - begin;
+    const Ahead ahead{start + 64 * begin, count, (count + p.steps - 1) / p.steps};
+    switch (std::min<int64_t>(kRows, last - row)) {
+      case 6: tile<6>(p, panel, row, ahead); break;
+      case 5: tile<5>(p, panel, row, ahead); break;
+      case 4: tile<4>(p, panel, row, ahead); break;
+      case 3: tile<3>(p, panel, row, ahead); break;
+      case 2: tile<2>(p, panel, row, ahead); break;
+      default: tile<1>(p, panel, row, ahead); break;
+    }
   }
 }
 
@@ -84,11 +102,14 @@ struct Shared {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-void run_items(Shared& shared) {
+void run_items(Shared& shared, int64_t workers) {
   const Product& p = shared.p;
   for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
-    const int64_t first = (i % shared.row_groups) * shared.rows_per_group;
-    rows(p, i / shared.row_groups, first, std::min(p.m, first + shared.rows_per_group));
+    const int64_t first = (i % shared.row_groups) * shared.rows_per_group, panel = i / shared.row_groups;
+    // The item a worker likely claims next is `workers` on; fetch its panel if it is another.
+    const int64_t next = (i + workers) / shared.row_groups;
+    const bool fetch = i + workers < shared.total && next != panel;
+    rows(p, panel, first, std::min(p.m, first + shared.rows_per_group), fetch ? next : -1);
     shared.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -106,8 +127,8 @@ void run(const Product& p, ffi::ThreadPool& pool) {
   shared->row_groups = (p.m + shared->rows_per_group - 1) / shared->rows_per_group;
   shared->total = panels * shared->row_groups;
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { run_items(*shared); });
-  run_items(*shared);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, workers] { run_items(*shared, workers); });
+  run_items(*shared, workers);
   while (shared->done.load(std::memory_order_acquire) < shared->total) std::this_thread::yield();
 }
 
