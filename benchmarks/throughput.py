@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_paged
 from benchmarks import hf_baseline, offline, workloads
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 from engine import LLM, SamplingParams
@@ -54,27 +55,35 @@ def memory_bandwidth(gigabytes: float = 0.5) -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads (every parameter once)."""
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(llm.engine.runner.params))
+    """Bytes of weights one decode step reads: every parameter once, but the token embeddings
+    only when they are the head too (otherwise a step reads one row of them; with packed
+    weights a tied embedding has a packed copy as the head)."""
+    params = llm.engine.runner.params
+    read = {key: value for key, value in params.items() if key != "embed" or "lm_head" not in params}
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(read))
 
 
-def matvec(dtype: str, rows=(1, 2, 8, 32)) -> list[list]:
-    """XLA:CPU's rate for SmolLM2's per-layer products ([rows, in] x [in, out] for each
-    weight; 30 distinct layers, so the weights come from memory, not the caches) per weight
-    dtype and row count: why the runner gives 16-bit weights at least two rows."""
+def matvec(dtype: str, rows=(1, 2, 8, 32), *, packed: bool = False) -> list[list]:
+    """The rate of SmolLM2's per-layer products ([rows, in] x [in, out] for each weight; 30
+    distinct layers, so the weights come from memory, not the caches) per weight dtype and
+    row count: XLA:CPU's (why the runner gives its 16-bit products at least two rows), or
+    with ``packed`` the native product on packed bfloat16 weights (what the engine runs)."""
     shapes = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
     rng = np.random.default_rng(0)
     weights = [[jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes] for _ in range(30)]
+    widths = [[w.shape[0] for w in layer] for layer in weights]
+    if packed:
+        weights = [[pallas_paged.pack(w) for w in layer] for layer in weights]
     nbytes = sum(w.nbytes for layer in weights for w in layer)
 
     @jax.jit
     def products(x, weights):
-        return [jnp.dot(x[:, : w.shape[0]].astype(w.dtype), w, preferred_element_type=jnp.float32)
-                for layer in weights for w in layer]
+        return [pallas_paged.matmul(x[:, :k], w) for layer, ks in zip(weights, widths) for w, k in zip(layer, ks)]
 
     inputs = {m: jnp.ones((m, 1536), jnp.float32) for m in rows}
     times = time_interleaved({m: functools.partial(products, inputs[m], weights) for m in rows}, rounds=5)
-    return [[f"{dtype} weights x {m} rows", nbytes, times[m] * 1e3, nbytes / times[m] / 1e9] for m in rows]
+    name = f"{dtype} weights, packed," if packed else f"{dtype} weights"
+    return [[f"{name} x {m} rows", nbytes, times[m] * 1e3, nbytes / times[m] / 1e9] for m in rows]
 
 
 def chat(args) -> None:
@@ -111,7 +120,9 @@ def chat(args) -> None:
               "(one sequence: one run, not comparable with HF's batch).")
     bounds = print_table(["dtype", "weights MiB", "bound tokens/s", "1 sequence tokens/s",
                           "after the first token", "vs bound"], bound_rows)
-    products = print_table(["products", "weight bytes", "ms", "GB/s"], matvec("float32") + matvec("bfloat16"))
+    packed = matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else []
+    products = print_table(["products", "weight bytes", "ms", "GB/s"],
+                           matvec("float32") + matvec("bfloat16") + packed)
     save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound (measured "
               f"bandwidth {bandwidth / 1e9:.1f} GB/s; 'vs bound' takes the rate after the first token, "
               f"without the prompt phase):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
