@@ -44,8 +44,6 @@ struct Product {
   int64_t m, n, steps;  // steps = K / 2
 };
 
-inline __mmask16 first_bits16(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
-
 // Cache lines of a panel to request ahead of its use, spread over the steps of the tiles
 // before it: the first pass over a panel otherwise waits on memory, and the passes after it
 // on arithmetic, so a worker that fetches its next panel during those keeps both busy.
