@@ -179,8 +179,52 @@ inline void in_row_blocks(int rows, Block&& block) {
   }
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define PALLAS_PAGED_SUM16 1
+// Sixteen vectors → one whose lane i is the sum of x[i]'s lanes: each level adds the two
+// halves of every group of lanes of a pair of vectors (groups of 16, 8, 4, then 2 lanes),
+// about 3 operations a sum where a lone horizontal sum (sum) takes about 10.
+inline v16 sum16(const v16* x) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// s[r, c] = q[r] . k[c] for a head size known at compile time: a row against sixteen keys at
+// a time, whose sums sum16 finishes together. Lanes past `keys` get copies of the last key.
+template <int kD>
+void scores_by_16(const float* q, const float* const* k_rows, int rows, int keys, float* s) {
+  constexpr int kVectors = kD / 16;
+  for (int r = 0; r < rows; ++r) {
+    v16 q_row[kVectors];
+    for (int j = 0; j < kVectors; ++j) q_row[j] = load16(q + size_t(r) * kD + 16 * j);
+    for (int c0 = 0; c0 < keys; c0 += 16) {
+      v16 dot[16];
+      for (int i = 0; i < 16; ++i) {
+        const float* k = k_rows[std::min(c0 + i, keys - 1)];
+        dot[i] = q_row[0] * load16(k);
+        for (int j = 1; j < kVectors; ++j) dot[i] += q_row[j] * load16(k + 16 * j);
+      }
+      *reinterpret_cast<v16*>(s + size_t(r) * kChunk + c0) = sum16(dot);
+    }
+  }
+}
+#endif
+
 template <int kD>
 void scores(const float* q, const float* const* k_rows, int rows, int keys, int D, float* s) {
+#ifdef PALLAS_PAGED_SUM16
+  if constexpr (kD > 0) return scores_by_16<kD>(q, k_rows, rows, keys, s);
+#endif
   in_row_blocks<kRowBlock<kD>>(rows, [&](auto size, int r) {
     scores_block<kD, decltype(size)::value>(q + size_t(r) * D, k_rows, keys, D, s + size_t(r) * kChunk);
   });
