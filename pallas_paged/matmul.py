@@ -1,8 +1,9 @@
 """Matrix products for the models: ``x @ w`` in the weights' dtype, accumulated and
 returned in float32.
 
-On a CPU with AVX512-BF16, bfloat16 weights can be packed ahead of time (:func:`pack`,
-which the engine's runner applies to every weight it can) for the native product
+On a CPU with AVX512-BF16, bfloat16 weights can be packed ahead of time (:func:`pack`;
+the engine packs every weight it can when it loads a checkpoint, with
+:func:`models.packed_for_cpu`) for the native product
 (:func:`pallas_paged.native.matmul`). A packed weight is a uint32 ``[N/64, K/2, 64]``
 array: 64 output columns per panel, each word the pair of bfloat16 ``(w[2s, n],
 w[2s+1, n])``. Everything else runs XLA's dot.

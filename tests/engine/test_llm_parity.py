@@ -61,7 +61,7 @@ def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
 
 
 def test_bfloat16_weights_packed_for_the_native_product_give_the_same_tokens(parity_prompts, monkeypatch):
-    """Where the native bfloat16 product runs, the runner packs every weight it can, and the
+    """Where the native bfloat16 product runs, the engine packs every weight it can, and the
     tied embedding gets a packed copy as the head; greedy tokens equal XLA's products'."""
     packed = LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
     params = packed.engine.runner.params
