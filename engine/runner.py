@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+import pallas_paged
 from engine import parallel, programs
 from engine.scheduler import ScheduledGroupWork
 from models import Metadata
@@ -63,8 +64,9 @@ def _min_rows(params) -> int:
     product runs at a tenth of the speed of its two-row product (``benchmarks/throughput.py
     chat`` measures it), so 16-bit weights XLA multiplies get at least two rows; float32 and
     weights packed for the native product are fastest unpadded."""
-    head = params["lm_head"]["w"] if "lm_head" in params else params["embed"]
-    xla_products = [w for w in [*jax.tree.leaves(params["layers"]), head] if w.ndim == 2]  # packed ones are 3-D
+    linears = [w for path, w in jax.tree_util.tree_leaves_with_path(params) if getattr(path[-1], "key", None) == "w"]
+    head = [] if "lm_head" in params else [params["embed"]]  # a tied embedding is the head
+    xla_products = [w for w in [*linears, *head] if not pallas_paged.is_packed(w)]
     return 2 if any(w.dtype.itemsize == 2 for w in xla_products) and jax.default_backend() == "cpu" else 1
 
 
