@@ -58,10 +58,19 @@ def matmul(x, w, *, transposed: bool = False):
     """x: [..., K] and w: [K, N], [N, K] when ``transposed`` (a tied embedding as the head),
     or packed by :func:`pack` → float32 [..., N]. x is cast to w's dtype first."""
     if is_packed(w):
-        rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
-        out = native.matmul(rows, w)
-    else:
-        rows = x.astype(w.dtype).reshape(-1, x.shape[-1])
-        contract = 1 if transposed else 0
-        out = jax.lax.dot_general(rows, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+        return matmuls(x, [w])[0]
+    rows = x.astype(w.dtype).reshape(-1, x.shape[-1])
+    contract = 1 if transposed else 0
+    out = jax.lax.dot_general(rows, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def matmuls(x, ws) -> list:
+    """``[matmul(x, w) for w in ws]``: x: [..., K], each w [K, N_j] or packed → float32
+    [..., N_j] each. When every w is packed, one native call does them all, which shares
+    the work among the cores better than a call for each (a layer's K and V have three
+    panels each): a bfloat16 decode step is about 4% faster with Q/K/V and gate/up fused so."""
+    if not ws or not all(is_packed(w) for w in ws):
+        return [matmul(x, w) for w in ws]
+    rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in native.matmul(rows, *ws)]

@@ -143,15 +143,14 @@ def matmul_available() -> bool:
     return available() and bool(load().PallasPagedMatmulAvailable())
 
 
-def matmul(x, panels):
-    """x @ w for bfloat16 x: [M, K] and w packed as ``panels``: uint32 [N/64, K/2, 64]
-    (:func:`pallas_paged.pack`) → float32 [M, N]. Check :func:`matmul_available` first.
+def matmul(x, *panels):
+    """x @ w_j for bfloat16 x: [M, K] and each w_j packed as ``panels[j]``: uint32
+    [N_j/64, K/2, 64] (:func:`pallas_paged.pack`) → one float32 [M, N_j] per weight, in a
+    single call. Check :func:`matmul_available` first.
     """
     load()
-    n = panels.shape[0] * panels.shape[2]
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), np.float32),
-                            vmap_method="sequential")
-    return call(x, panels)
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * w.shape[2]), np.float32) for w in panels]
+    return tuple(jax.ffi.ffi_call(MATMUL_TARGET, shapes, vmap_method="sequential")(x, *panels))
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):

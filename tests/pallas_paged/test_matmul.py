@@ -37,6 +37,21 @@ def test_packed_product_matches_float32_math(m, k, n):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m", [1, 32])
+def test_several_weights_in_one_call_match_a_call_each(m):
+    """A layer's Q, K, V (576, 192, 192 columns) in one native call; a float32 weight among
+    them sends every product to its own call."""
+    rng = np.random.default_rng(m)
+    x = _bf16(rng, (m, 576))
+    ws = [_bf16(rng, (576, n)) for n in (576, 192, 192)]
+    together = jax.jit(pallas_paged.matmuls)(x, [pallas_paged.pack(w) for w in ws])
+    for got, w in zip(together, ws, strict=True):
+        np.testing.assert_array_equal(got, pallas_paged.matmul(x, pallas_paged.pack(w)))
+    mixed = pallas_paged.matmuls(x, [pallas_paged.pack(ws[0]), ws[1].astype(jnp.float32)])
+    np.testing.assert_array_equal(mixed[0], together[0])
+    np.testing.assert_allclose(mixed[1], x.astype(jnp.float32) @ ws[1].astype(jnp.float32), rtol=1e-5, atol=1e-3)
+
+
 def test_packed_layout_pairs_rows_within_panels_of_64_columns():
     """Word [p, s, j] holds w[2s, 64p + j] in its low half and w[2s + 1, 64p + j] in its high half."""
     w = np.arange(4 * 128, dtype=np.float32).reshape(4, 128).astype(jnp.bfloat16)
