@@ -67,7 +67,7 @@ def matvec(dtype: str, rows=(1, 2, 8, 32), *, packed: bool = False) -> list[list
     """The rate of SmolLM2's per-layer products ([rows, in] x [in, out] for each weight; 30
     distinct layers, so the weights come from memory, not the caches) per weight dtype and
     row count: XLA:CPU's (why the runner gives its 16-bit products at least two rows), or
-    with ``packed`` the native product on packed bfloat16 weights (what the engine runs)."""
+    with ``packed`` the native product on packed weights (what the engine runs)."""
     shapes = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
     rng = np.random.default_rng(0)
     weights = [[jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes] for _ in range(30)]
@@ -120,9 +120,9 @@ def chat(args) -> None:
               "(one sequence: one run, not comparable with HF's batch).")
     bounds = print_table(["dtype", "weights MiB", "bound tokens/s", "1 sequence tokens/s",
                           "after the first token", "vs bound"], bound_rows)
-    packed = matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else []
-    products = print_table(["products", "weight bytes", "ms", "GB/s"],
-                           matvec("float32") + matvec("bfloat16") + packed)
+    products = print_table(["products", "weight bytes", "ms", "GB/s"], [
+        *matvec("float32"), *(matvec("float32", packed=True) if pallas_paged.packing_enabled() else []),
+        *matvec("bfloat16"), *(matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else [])])
     save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound (measured "
               f"bandwidth {bandwidth / 1e9:.1f} GB/s; 'vs bound' takes the rate after the first token, "
               f"without the prompt phase):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"

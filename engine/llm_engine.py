@@ -71,7 +71,7 @@ def _load_model(model: str | None, dtype: str, *, packed: bool) -> _SharedModel:
     """The checkpoint's parameters, loaded once while some engine uses them: engines of the
     same files share them (they are immutable), a re-saved checkpoint is read afresh, and
     they are freed with the last engine. ``packed`` (engines without a device mesh, where
-    :func:`pallas_paged.packing_enabled`) packs bfloat16 weights for the native CPU product
+    :func:`pallas_paged.packing_enabled`) packs the weights for the native CPU product
     (:func:`models.packed_for_cpu`) and keeps only the packed ones."""
     path = models.resolve(model)
     key = (str(path.resolve()), dtype, _checkpoint_version(path), packed)

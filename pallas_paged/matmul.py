@@ -1,12 +1,16 @@
 """Matrix products for the models: ``x @ w`` in the weights' dtype, accumulated and
 returned in float32.
 
-On a CPU with AVX512-BF16, bfloat16 weights can be packed ahead of time (:func:`pack`;
-the engine packs every weight it can when it loads a checkpoint, with
-:func:`models.packed_for_cpu`) for the native product
-(:func:`pallas_paged.native.matmul`). A packed weight is a uint32 ``[N/64, K/2, 64]``
-array: 64 output columns per panel, each word the pair of bfloat16 ``(w[2s, n],
-w[2s+1, n])``. Everything else runs XLA's dot.
+On a CPU with AVX512-BF16, bfloat16 and float32 weights can be packed ahead of time
+(:func:`pack`; the engine packs every weight it can when it loads a checkpoint, with
+:func:`models.packed_for_cpu`) for the native product (:func:`pallas_paged.native.matmul`).
+A packed weight holds 64 output columns per panel, read in memory order:
+
+* bfloat16: uint32 ``[N/64, K/2, 64]``, each word the pair of bfloat16 ``(w[2s, n],
+  w[2s+1, n])`` that one ``VDPBF16PS`` lane multiplies;
+* float32: float32 ``[N/64, K, 64]``.
+
+Everything else runs XLA's dot.
 """
 
 from __future__ import annotations
@@ -33,23 +37,36 @@ def packing_enabled() -> bool:
     return native.matmul_available()
 
 
+_PACKED_DTYPES = {np.dtype(jnp.bfloat16): np.dtype(jnp.uint32), np.dtype(jnp.float32): np.dtype(jnp.float32)}
+
+
 def packable(w) -> bool:
-    """Whether :func:`pack` applies to ``w`` here: bfloat16 ``[K, N]`` with K even and N a
-    multiple of 64, where :func:`packing_enabled`."""
-    if w.ndim != 2 or np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.shape[0] % 2 or w.shape[1] % PANEL:
+    """Whether :func:`pack` applies to ``w`` here: bfloat16 (with K even) or float32
+    ``[K, N]``, N a multiple of 64, where :func:`packing_enabled`."""
+    if w.ndim != 2 or np.dtype(w.dtype) not in _PACKED_DTYPES or w.shape[1] % PANEL:
+        return False
+    if np.dtype(w.dtype) == np.dtype(jnp.bfloat16) and w.shape[0] % 2:
         return False
     return packing_enabled()
 
 
 def is_packed(w) -> bool:
     """Whether ``w`` is a weight :func:`pack` made."""
-    return w.ndim == 3 and np.dtype(w.dtype) == np.dtype(jnp.uint32) and w.shape[2] == PANEL
+    return w.ndim == 3 and np.dtype(w.dtype) in _PACKED_DTYPES.values() and w.shape[2] == PANEL
+
+
+def _input_dtype(packed):
+    """The dtype the native product takes x in, for a packed weight: bfloat16 for uint32 pairs."""
+    return jnp.bfloat16 if np.dtype(packed.dtype) == np.dtype(jnp.uint32) else jnp.float32
 
 
 @jax.jit
 def pack(w):
-    """bfloat16 w: [K, N] → uint32 [N/64, K/2, 64], the native product's layout (see above)."""
+    """bfloat16 w: [K, N] → uint32 [N/64, K/2, 64]; float32 w: [K, N] → [N/64, K, 64]: the
+    native product's layouts (see above)."""
     k, n = w.shape
+    if w.dtype == jnp.float32:
+        return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     pairs = jax.lax.bitcast_convert_type(w.reshape(k // 2, 2, n).transpose(0, 2, 1), jnp.uint32)  # [K/2, N]
     return pairs.reshape(k // 2, n // PANEL, PANEL).transpose(1, 0, 2)
 
@@ -67,10 +84,10 @@ def matmul(x, w, *, transposed: bool = False):
 
 def matmuls(x, ws) -> list:
     """``[matmul(x, w) for w in ws]``: x: [..., K], each w [K, N_j] or packed → float32
-    [..., N_j] each. When every w is packed, one native call does them all, which shares
-    the work among the cores better than a call for each (a layer's K and V have three
-    panels each): a bfloat16 decode step is about 4% faster with Q/K/V and gate/up fused so."""
-    if not ws or not all(is_packed(w) for w in ws):
+    [..., N_j] each. When every w is packed alike, one native call does them all, which
+    shares the work among the cores better than a call for each (a layer's K and V have
+    three panels each)."""
+    if not ws or not all(is_packed(w) and w.dtype == ws[0].dtype for w in ws):
         return [matmul(x, w) for w in ws]
-    rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+    rows = x.astype(_input_dtype(ws[0])).reshape(-1, x.shape[-1])
     return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in native.matmul(rows, *ws)]

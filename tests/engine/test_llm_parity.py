@@ -60,18 +60,19 @@ def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
     assert_all_blocks_free(shared)
 
 
-def test_bfloat16_weights_packed_for_the_native_product_give_the_same_tokens(parity_prompts, monkeypatch):
-    """Where the native bfloat16 product runs, the engine packs every weight it can, and the
-    tied embedding gets a packed copy as the head; greedy tokens equal XLA's products'."""
-    packed = LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weights_packed_for_the_native_product_give_the_same_tokens(parity_prompts, monkeypatch, dtype):
+    """Where the native product runs, the engine packs every weight it can, and the tied
+    embedding gets a packed copy as the head; greedy tokens equal XLA's products'."""
+    packed = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     params = packed.engine.runner.params
     if not pallas_paged.is_packed(params["layers"][0]["q"]["w"]):
         pytest.skip("this CPU has no AVX512-BF16")
     assert all(pallas_paged.is_packed(layer[key]["w"]) for layer in params["layers"]
                for key in ("q", "k", "v", "o", "gate", "up", "down"))
-    assert pallas_paged.is_packed(params["lm_head"]["w"]) and params["embed"].dtype == jnp.bfloat16
+    assert pallas_paged.is_packed(params["lm_head"]["w"]) and params["embed"].dtype == jnp.dtype(dtype)
     monkeypatch.setenv("PALLAS_PAGED_CPU_MATMUL", "xla")
-    unpacked = LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
+    unpacked = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     assert "lm_head" not in unpacked.engine.runner.params
     expected = [list(o.outputs[0].token_ids) for o in unpacked.generate(parity_prompts, GREEDY, use_tqdm=False)]
     assert [list(o.outputs[0].token_ids) for o in packed.generate(parity_prompts, GREEDY, use_tqdm=False)] == expected

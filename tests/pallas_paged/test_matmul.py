@@ -1,5 +1,5 @@
-"""The models' matrix product: bfloat16 weights packed for the native CPU kernel against
-float32 math on the same inputs, the packed layout, and when weights get packed."""
+"""The models' matrix product: bfloat16 and float32 weights packed for the native CPU kernel
+against float32 math on the same inputs, the packed layouts, and when weights get packed."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def _bf16(rng, shape):
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_packed_product_matches_float32_math(m, k, n):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_packed_product_matches_float32_math(m, k, n, dtype):
     """Products of bfloat16 are exact in float32, so only the order of the float32 sums differs."""
     rng = np.random.default_rng(m * 1000 + n)
-    x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n))
+    x, w = _bf16(rng, (m, k)).astype(dtype), _bf16(rng, (k, n)).astype(dtype)
     got = jax.jit(pallas_paged.matmul)(x, pallas_paged.pack(w))
     want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
     assert got.dtype == jnp.float32 and got.shape == (m, n)
@@ -38,16 +39,17 @@ def test_packed_product_matches_float32_math(m, k, n):
 
 
 @pytest.mark.parametrize("m", [1, 32])
-def test_several_weights_in_one_call_match_a_call_each(m):
-    """A layer's Q, K, V (576, 192, 192 columns) in one native call; a float32 weight among
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_several_weights_in_one_call_match_a_call_each(m, dtype):
+    """A layer's Q, K, V (576, 192, 192 columns) in one native call; an unpacked weight among
     them sends every product to its own call."""
     rng = np.random.default_rng(m)
     x = _bf16(rng, (m, 576))
-    ws = [_bf16(rng, (576, n)) for n in (576, 192, 192)]
+    ws = [_bf16(rng, (576, n)).astype(dtype) for n in (576, 192, 192)]
     together = jax.jit(pallas_paged.matmuls)(x, [pallas_paged.pack(w) for w in ws])
     for got, w in zip(together, ws, strict=True):
         np.testing.assert_array_equal(got, pallas_paged.matmul(x, pallas_paged.pack(w)))
-    mixed = pallas_paged.matmuls(x, [pallas_paged.pack(ws[0]), ws[1].astype(jnp.float32)])
+    mixed = pallas_paged.matmuls(x, [pallas_paged.pack(ws[0]), ws[1]])
     np.testing.assert_array_equal(mixed[0], together[0])
     np.testing.assert_allclose(mixed[1], x.astype(jnp.float32) @ ws[1].astype(jnp.float32), rtol=1e-5, atol=1e-3)
 
@@ -60,12 +62,15 @@ def test_packed_layout_pairs_rows_within_panels_of_64_columns():
     bits = w.view(np.uint16).astype(np.uint32)
     assert packed[1, 1, 3] == bits[2, 67] | bits[3, 67] << 16
     assert packed[0, 0, 63] == bits[0, 63] | bits[1, 63] << 16
+    wide = np.arange(3 * 128, dtype=np.float32).reshape(3, 128)  # float32: panels of whole rows
+    np.testing.assert_array_equal(pallas_paged.pack(wide), wide.reshape(3, 2, 64).transpose(1, 0, 2))
 
 
 def test_what_packs(monkeypatch):
     rng = np.random.default_rng(0)
     assert pallas_paged.packable(_bf16(rng, (8, 64)))
-    assert not pallas_paged.packable(np.ones((8, 64), np.float32))  # XLA's float32 product is as fast
+    assert pallas_paged.packable(np.ones((7, 64), np.float32))  # float32 needs no pairs of rows
+    assert not pallas_paged.packable(np.ones((8, 64), np.float16))
     assert not pallas_paged.packable(_bf16(rng, (7, 64)))  # odd K
     assert not pallas_paged.packable(_bf16(rng, (8, 96)))  # N not a multiple of 64
     with jax.set_mesh(jax.make_mesh((1,), ("tp",))):  # XLA partitions products under a mesh
