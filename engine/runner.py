@@ -72,9 +72,11 @@ def _min_rows(params) -> int:
 
 # Decode steps of up to this many rows run the whole model as one program (the "decode" stage)
 # instead of a program per stage: a single sequence decodes 10-13% faster (float32 and
-# bfloat16), 4-8 rows 5-9%, 16 rows 3%. Each such program takes about 2 s to compile, so
-# only the small buckets get one; they add about 5 s to a cold start.
-ONE_PROGRAM_ROWS = 8
+# bfloat16), 4-8 rows 5-9%, and with the native products 32 rows 7% (bfloat16) to 14%
+# (float32): a step of 32 sequences took 28.1 against 30.0 ms and 37.3 against 43.5 ms.
+# Each such program takes about 2 s to compile, so only the small buckets get one; a cold
+# start of the default server took 24.2 s with them, against its 30 s target.
+ONE_PROGRAM_ROWS = 32
 
 # The runner picks logits rows in a program of their own (``StepInputs.logits_rows``), so the
 # layers' metadata carries none and one layer program serves every number of rows.
