@@ -96,7 +96,7 @@ def test_a_long_prefill_runs_three_quarters_of_a_power_of_two(tmp_path, monkeypa
 def test_small_decode_steps_run_as_one_program_with_the_same_tokens(tmp_path, monkeypatch):
     llm, hf = tiny_llm("llama_gqa_tied", tmp_path)
     runner = llm.engine.runner
-    assert runner.one_program_buckets == (1, 2, 4, 8)
+    assert runner.one_program_buckets == (1, 2, 4, 8, 16)  # every decode bucket up to 32 rows
     stages = []
     call = programs.call
     monkeypatch.setattr(programs, "call", lambda stage, *args, **kwargs: stages.append(stage) or call(stage, *args, **kwargs))
