@@ -38,6 +38,14 @@ def test_packed_product_matches_float32_math(m, k, n, dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+def test_float32_packs_any_depth():
+    """float32 panels hold whole rows, so K may be odd (bfloat16 pairs rows and needs it even)."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((5, 7)).astype(np.float32), rng.standard_normal((7, 128)).astype(np.float32)
+    got = jax.jit(pallas_paged.matmul)(x, pallas_paged.pack(w))
+    np.testing.assert_allclose(got, jnp.dot(x, w, precision="highest"), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("m", [1, 32])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_several_weights_in_one_call_match_a_call_each(m, dtype):
