@@ -99,7 +99,7 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead) {
 }
 
 // Rows first .. last of a panel, in register tiles, requesting the lines of panel `next`
-// (if not negative) along the way.
+// (if any) along the way.
 void rows(const Product& p, const Panel& panel, int64_t first, int64_t last, const Panel* next) {
   const int64_t tiles = (last - first + kRows - 1) / kRows, lines = next ? p.steps * kPanel * 4 / 64 : 0;
   const int64_t per_tile = (lines + tiles - 1) / tiles;
@@ -166,7 +166,6 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs wei
   if (weights.size() == 0 || weights.size() != outs.size())
     return ffi::Error::InvalidArgument("matmul: needs one result per packed weight, and at least one weight");
   Product product{static_cast<const uint32_t*>(x.untyped_data()), {}, m, steps, f32};
-  std::vector<ffi::Result<ffi::Buffer<ffi::F32, 2>>> results;
   for (size_t j = 0; j < weights.size(); ++j) {
     auto w = weights.get<ffi::AnyBuffer>(j);
     auto out = outs.get<ffi::Buffer<ffi::F32, 2>>(j);
