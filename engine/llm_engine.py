@@ -175,7 +175,8 @@ class LLMEngine:
         request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
                                seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
                                bad_word_ids=bad_word_ids)
-        request.seqs = {seq.seq_id: SeqProgress(index=i) for i, seq in enumerate(group.seqs)}
+        logprob = 0.0 if request.tracks_logprob else None
+        request.seqs = {seq.seq_id: SeqProgress(index=i, cumulative_logprob=logprob) for i, seq in enumerate(group.seqs)}
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         if isinstance(params, BeamSearchParams):

@@ -22,7 +22,7 @@ class SeqProgress:
 
     index: int
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # None: not tracked (RequestState.tracks_logprob)
     logprobs: list[TokenLogprobs] | None = None
     decoded: DecodeState = DecodeState()
     finish_reason: str | None = None
@@ -77,6 +77,14 @@ class RequestState:
         return None if self.is_beam_search else self.params.logprobs
 
     @property
+    def tracks_logprob(self) -> bool:
+        """Whether the sampler computes the log-probability of every token this request
+        draws: for its logprobs, to rank beams, or to pick the ``n`` best of ``best_of``
+        samples. Other requests report no ``cumulative_logprob`` (None), as vLLM's V1 engine."""
+        return (self.is_beam_search or self.params.logprobs is not None
+                or self.params.num_candidates > self.params.n)
+
+    @property
     def finished(self) -> bool:
         if self.error is not None or self.aborted:
             return True
@@ -113,7 +121,8 @@ class RequestState:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
+        if seq.cumulative_logprob is not None:
+            seq.cumulative_logprob += logprob
         if step_logprobs is not None:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(step_logprobs)

@@ -96,6 +96,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         all_greedy=all(p.greedy for p in sampling),
         num_top_logprobs=_pow2(num_top) if num_top else 0,
         ranks=any(p.logprobs is not None for p in params if isinstance(p, SamplingParams)),
+        logprobs=any(row.request.tracks_logprob for row in rows),
     )
 
 

@@ -258,7 +258,7 @@ def test_beam_search_params_name_a_bad_field():
 def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
     llm, hf = llm_and_hf
     prompt = prompts(1, hf.config.vocab_size, seed=13)[0]
-    candidates = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, max_tokens=6, seed=21),
+    candidates = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, max_tokens=6, seed=21, logprobs=0),
                               use_tqdm=False)[0].outputs
     best = llm.generate([prompt], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6, seed=21),
                         use_tqdm=False)[0].outputs
@@ -350,6 +350,27 @@ def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_hf):
     assert pickle.loads(pickle.dumps(output)).outputs[0].logprobs == output.outputs[0].logprobs
     again = pickle.loads(pickle.dumps(output.outputs[0].logprobs[0]))
     assert [v.rank for v in again.values()] == [v.rank for v in output.outputs[0].logprobs[0].values()]
+
+
+def test_cumulative_logprob_is_reported_when_logprobs_are_tracked(llm_and_hf):
+    """Samples without logprobs report no cumulative log-probability (as vLLM's V1 engine),
+    and their batches skip the normaliser; asking for logprobs, or for the best of several
+    samples, reports the sum of the chosen tokens' log-probabilities. Mixing them in one batch
+    changes no token."""
+    llm, hf = llm_and_hf
+    batch = prompts(3, hf.config.vocab_size, seed=15)
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    logged = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    sampled = SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=6, seed=5)
+    alone = llm.generate(batch, plain, use_tqdm=False)
+    mixed = llm.generate(batch, [plain, logged, sampled], use_tqdm=False)
+    assert [o.outputs[0].cumulative_logprob for o in alone] == [None] * 3
+    assert mixed[0].outputs[0].cumulative_logprob is None
+    assert [o.outputs[0].token_ids for o in alone[:2]] == [o.outputs[0].token_ids for o in mixed[:2]]
+    completion = mixed[1].outputs[0]
+    chosen = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+    assert completion.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4) and sum(chosen) < 0
+    assert all(c.cumulative_logprob is not None and c.cumulative_logprob < 0 for c in mixed[2].outputs)
 
 
 def test_allowed_token_ids_are_the_only_tokens_generated(llm_and_hf):
