@@ -28,6 +28,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -218,6 +222,32 @@ void scores_by_16(const float* q, const float* const* k_rows, int rows, int keys
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+#define PALLAS_PAGED_BF16_DOT 1
+// s[r, c] = scale * (q[r] . k[c]) for bfloat16 queries and keys, read as they are: VDPBF16PS
+// multiplies pairs of bfloat16 elements exactly and adds both products to a float32 lane, so
+// no key is converted, and a key costs half the instructions of a float32 dot product.
+// q: [rows, kD] bfloat16, unscaled. Lanes past `keys` get copies of the last key.
+template <int kD>
+void scores_bf16(const uint16_t* q, const uint16_t* const* k_rows, int rows, int keys, float scale, float* s) {
+  constexpr int kVectors = kD / 32;  // 32 bfloat16 elements a register
+  for (int r = 0; r < rows; ++r) {
+    __m512bh q_row[kVectors];
+    for (int j = 0; j < kVectors; ++j) q_row[j] = __m512bh(_mm512_loadu_si512(q + size_t(r) * kD + 32 * j));
+    for (int c0 = 0; c0 < keys; c0 += 16) {
+      v16 dot[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* k = k_rows[std::min(c0 + i, keys - 1)];
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < kVectors; ++j) sum = _mm512_dpbf16_ps(sum, q_row[j], __m512bh(_mm512_loadu_si512(k + 32 * j)));
+        dot[i] = v16(sum);
+      }
+      *reinterpret_cast<v16*>(s + size_t(r) * kChunk + c0) = sum16(dot) * scale;
+    }
+  }
+}
+#endif
 #endif
 
 template <int kD>
@@ -232,9 +262,9 @@ void scores(const float* q, const float* const* k_rows, int rows, int keys, int 
 
 // acc[r] += sum over c of w(r, c) * v[c], with w(r, c) = w[r * row_stride + c * key_stride]
 // (scores laid out by row, or by key with rows in lanes), a block of rows at a time, held in
-// registers.
-template <int kD, int kRows>
-inline void accumulate_block(const float* w, int row_stride, int key_stride, const float* const* v_rows, int keys,
+// registers. Values are float32, or bfloat16 converted as they are loaded.
+template <int kD, int kRows, typename VT>
+inline void accumulate_block(const float* w, int row_stride, int key_stride, const VT* const* v_rows, int keys,
                              float* acc) {
   constexpr int kVectors = kD / 16;
   v16 out[kRows][kVectors];
@@ -252,8 +282,8 @@ inline void accumulate_block(const float* w, int row_stride, int key_stride, con
     for (int j = 0; j < kVectors; ++j) *reinterpret_cast<v16*>(acc + size_t(r) * kD + 16 * j) = out[r][j];
 }
 
-template <int kD>
-void accumulate_values(const float* w, int row_stride, int key_stride, const float* const* v_rows, int rows, int keys,
+template <int kD, typename VT>
+void accumulate_values(const float* w, int row_stride, int key_stride, const VT* const* v_rows, int rows, int keys,
                        int D, float* acc) {
   if constexpr (kD == 0) {  // any head size: one vector at a time
     for (int r = 0; r < rows; ++r)
@@ -265,7 +295,7 @@ void accumulate_values(const float* w, int row_stride, int key_stride, const flo
       }
   } else {
     in_row_blocks<kRowBlock<kD>>(rows, [&](auto size, int r) {
-      accumulate_block<kD, decltype(size)::value>(w + size_t(r) * row_stride, row_stride, key_stride, v_rows, keys,
+      accumulate_block<kD, decltype(size)::value, VT>(w + size_t(r) * row_stride, row_stride, key_stride, v_rows, keys,
                                                   acc + size_t(r) * kD);
     });
   }
@@ -367,21 +397,32 @@ inline void touch(const KVT* k, const KVT* v, const int64_t* offsets, int keys, 
   (void)sink;
 }
 
-// Pointers to kChunk keys' and values' rows, float32: a float32 cache is read in place, and a
-// 16-bit one converted here, once, rather than once per query row.
+// Pointers to kChunk keys' and values' rows: in the cache (k_in_place, v_in_place), and as
+// float32 (k_rows, v_rows): a float32 cache is read in place, and a 16-bit one, unless the
+// caller reads it as it is (convert false), converted here once rather than once per query row.
 template <typename KVT>
 struct Chunk {
+  const KVT* k_in_place[kChunk];
+  const KVT* v_in_place[kChunk];
   const float* k_rows[kChunk];
   const float* v_rows[kChunk];
 
   void gather(const KVT* k, const KVT* v, const int32_t* table, int64_t start, int keys, int64_t block_size, int D,
-              float* converted) {
+              float* converted, bool convert) {
     int64_t offsets[kChunk];  // of each key's row, in elements
-    for (int c = 0; c < keys; ++c) {
-      const int64_t key = start + c;
-      offsets[c] = (int64_t(table[key / block_size]) * block_size + key % block_size) * D;
+    for (int c = 0; c < keys;) {  // a block's keys at a time
+      const int64_t key = start + c, within = key % block_size;
+      const int64_t first = (int64_t(table[key / block_size]) * block_size + within) * D;
+      const int n = int(std::min<int64_t>(block_size - within, keys - c));
+      for (int i = 0; i < n; ++i) offsets[c + i] = first + int64_t(i) * D;
+      c += n;
     }
     touch(k, v, offsets, keys, D);
+    for (int c = 0; c < keys; ++c) {
+      k_in_place[c] = k + offsets[c];
+      v_in_place[c] = v + offsets[c];
+    }
+    if (!convert) return;
     for (int c = 0; c < keys; ++c) {
       if constexpr (std::is_same_v<KVT, float>) {
         k_rows[c] = k + offsets[c];
@@ -414,9 +455,16 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
   const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
   const int64_t num_keys = item.key_end;
+#ifdef PALLAS_PAGED_BF16_DOT
+  constexpr bool kBf16Dot = std::is_same_v<QT, uint16_t> && std::is_same_v<KVT, uint16_t> && kD > 0;
+#else
+  constexpr bool kBf16Dot = false;
+#endif
+  // Few bfloat16 rows (decode) read the cache as it is: see scores_bf16.
+  const bool direct = kBf16Dot && !in_lanes;
 
-  scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> ? 0 : 2 * kChunk * D), 0.0f);
-  float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled
+  scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> || direct ? 0 : 2 * kChunk * D), 0.0f);
+  float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled (direct: bfloat16, unscaled)
   float* acc = q + size_t(R) * D;            // [R, D]
   float* m = acc + size_t(R) * D;            // [R] running max
   float* l = m + R;                          // [R] running sum
@@ -433,14 +481,28 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
     for (int g = 0; g < group; ++g) {
       const QT* src = q_in + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
       const int r = t * group + g;
+      if (direct) {
+        std::memcpy(reinterpret_cast<QT*>(q) + size_t(r) * D, src, size_t(D) * sizeof(QT));
+        continue;
+      }
       for (int d = 0; d < D; ++d) q[in_lanes ? size_t(d) * R + r : size_t(r) * D + d] = load(src[d]) * p.scale;
     }
 
   Chunk<KVT> chunk;
   for (int64_t start = item.key_begin; start < num_keys; start += kChunk) {
     const int keys = int(std::min<int64_t>(kChunk, num_keys - start));
-    chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, converted);
+    chunk.gather(k_in, v_in, table, start, keys, p.block_size, D, converted, !direct);
     const int64_t first_visible = first_pos - start;  // row r sees keys c <= this + r / group
+    if constexpr (kBf16Dot) {
+      if (direct) {
+#ifdef PALLAS_PAGED_BF16_DOT
+        scores_bf16<kD>(reinterpret_cast<const uint16_t*>(q), chunk.k_in_place, rows, keys, p.scale, s);
+#endif
+        softmax_by_row(s, rows, keys, first_visible, group, m, l, acc, D);
+        accumulate_values<kD>(s, kChunk, 1, chunk.v_in_place, rows, keys, D, acc);
+        continue;
+      }
+    }
     if (in_lanes) {
       scores_in_lanes<kD>(q, R, chunk.k_rows, keys, D, s);
       softmax_in_lanes(s, R, keys, int(std::min<int64_t>(first_visible, kChunk)), group, m, l, acc, D);
