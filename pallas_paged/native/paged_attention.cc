@@ -225,22 +225,31 @@ void scores_by_16(const float* q, const float* const* k_rows, int rows, int keys
 
 #if defined(__AVX512BF16__)
 #define PALLAS_PAGED_BF16_DOT 1
-// s[r, c] = scale * (q[r] . k[c]) for bfloat16 queries and keys, read as they are: VDPBF16PS
-// multiplies pairs of bfloat16 elements exactly and adds both products to a float32 lane, so
-// no key is converted, and a key costs half the instructions of a float32 dot product.
-// q: [rows, kD] bfloat16, unscaled. Lanes past `keys` get copies of the last key.
-template <int kD>
-void scores_bf16(const uint16_t* q, const uint16_t* const* k_rows, int rows, int keys, float scale, float* s) {
+// s[r, c] = scale * (q[r] . k[c]) for bfloat16 keys, read as they are: VDPBF16PS multiplies
+// pairs of bfloat16 elements exactly and adds both products to a float32 lane, so no key is
+// converted. q: [rows, kD] bfloat16; with kSplit, a float32 query is its bfloat16 part q_hi
+// plus the bfloat16 rounding of the rest, q_lo (both [rows, kD]), so the scores keep about 16
+// bits of the query's precision. Lanes past `keys` get copies of the last key.
+template <int kD, bool kSplit>
+void scores_bf16(const uint16_t* q_hi, const uint16_t* q_lo, const uint16_t* const* k_rows, int rows, int keys,
+                 float scale, float* s) {
   constexpr int kVectors = kD / 32;  // 32 bfloat16 elements a register
   for (int r = 0; r < rows; ++r) {
-    __m512bh q_row[kVectors];
-    for (int j = 0; j < kVectors; ++j) q_row[j] = __m512bh(_mm512_loadu_si512(q + size_t(r) * kD + 32 * j));
+    __m512bh hi[kVectors], lo[kVectors];
+    for (int j = 0; j < kVectors; ++j) {
+      hi[j] = __m512bh(_mm512_loadu_si512(q_hi + size_t(r) * kD + 32 * j));
+      if constexpr (kSplit) lo[j] = __m512bh(_mm512_loadu_si512(q_lo + size_t(r) * kD + 32 * j));
+    }
     for (int c0 = 0; c0 < keys; c0 += 16) {
       v16 dot[16];
       for (int i = 0; i < 16; ++i) {
         const uint16_t* k = k_rows[std::min(c0 + i, keys - 1)];
         __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < kVectors; ++j) sum = _mm512_dpbf16_ps(sum, q_row[j], __m512bh(_mm512_loadu_si512(k + 32 * j)));
+        for (int j = 0; j < kVectors; ++j) {
+          const __m512bh key = __m512bh(_mm512_loadu_si512(k + 32 * j));
+          sum = _mm512_dpbf16_ps(sum, hi[j], key);
+          if constexpr (kSplit) sum = _mm512_dpbf16_ps(sum, lo[j], key);
+        }
         dot[i] = v16(sum);
       }
       *reinterpret_cast<v16*>(s + size_t(r) * kChunk + c0) = sum16(dot) * scale;
@@ -456,7 +465,8 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   const int64_t first_pos = p.context_lens[seq] - query_len + (item.first_token - p.query_start_loc[seq]);
   const int64_t num_keys = item.key_end;
 #ifdef PALLAS_PAGED_BF16_DOT
-  constexpr bool kBf16Dot = std::is_same_v<QT, uint16_t> && std::is_same_v<KVT, uint16_t> && kD > 0;
+  constexpr bool kBf16Dot = std::is_same_v<KVT, uint16_t> && kD > 0;
+  constexpr bool kSplit = std::is_same_v<QT, float>;  // see scores_bf16
 #else
   constexpr bool kBf16Dot = false;
 #endif
@@ -464,7 +474,9 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   const bool direct = kBf16Dot && !in_lanes;
 
   scratch.assign(size_t(R) * (2 * D + 2 + kChunk) + (std::is_same_v<KVT, float> || direct ? 0 : 2 * kChunk * D), 0.0f);
-  float* q = scratch.data();                 // [R, D], or [D, R] in lanes; scaled (direct: bfloat16, unscaled)
+  // [R, D], or [D, R] in lanes; scaled. Direct: bfloat16 [R, D], unscaled, or for a float32 q,
+  // [2, R, D] scaled, its high and low bfloat16 parts.
+  float* q = scratch.data();
   float* acc = q + size_t(R) * D;            // [R, D]
   float* m = acc + size_t(R) * D;            // [R] running max
   float* l = m + R;                          // [R] running sum
@@ -482,7 +494,16 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
       const QT* src = q_in + ((item.first_token + t) * p.q_heads + item.kv_head * group + g) * D;
       const int r = t * group + g;
       if (direct) {
-        std::memcpy(reinterpret_cast<QT*>(q) + size_t(r) * D, src, size_t(D) * sizeof(QT));
+        uint16_t* hi = reinterpret_cast<uint16_t*>(q) + size_t(r) * D;
+        for (int d = 0; d < D; ++d) {
+          if constexpr (kSplit) {
+            const float x = load(src[d]) * p.scale;
+            store(x, hi + d);
+            store(x - load(hi[d]), hi + size_t(R) * D + d);
+          } else {
+            hi[d] = src[d];
+          }
+        }
         continue;
       }
       for (int d = 0; d < D; ++d) q[in_lanes ? size_t(d) * R + r : size_t(r) * D + d] = load(src[d]) * p.scale;
@@ -496,7 +517,8 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
     if constexpr (kBf16Dot) {
       if (direct) {
 #ifdef PALLAS_PAGED_BF16_DOT
-        scores_bf16<kD>(reinterpret_cast<const uint16_t*>(q), chunk.k_in_place, rows, keys, p.scale, s);
+        const uint16_t* q_hi = reinterpret_cast<const uint16_t*>(q);
+        scores_bf16<kD, kSplit>(q_hi, q_hi + size_t(R) * D, chunk.k_in_place, rows, keys, kSplit ? 1.0f : p.scale, s);
 #endif
         softmax_by_row(s, rows, keys, first_visible, group, m, l, acc, D);
         accumulate_values<kD>(s, kChunk, 1, chunk.v_in_place, rows, keys, D, acc);

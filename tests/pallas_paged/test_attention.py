@@ -236,6 +236,25 @@ def test_native_head_sizes_and_mixed_dtypes(head_dim, dtypes):
                  jnp.float32)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_native_decode_keeps_a_float32_query_precise_against_a_bfloat16_cache(head_dim, block_size):
+    """The engine's bfloat16 models pass float32 queries to a bfloat16 cache. On CPUs with
+    AVX512-BF16 the decode multiplies the query by the cached keys as bfloat16 pairs: split
+    into two bfloat16 parts, the query keeps float32-like accuracy (to 2e-4, where the
+    query's rounding to bfloat16 alone would be off by 1e-2), over contexts that end inside a
+    block, span several 64-key chunks, or hold one token."""
+    s = make(decode_seqs([1, 17, 64, 65, 150, 300]), q_heads=9, kv_heads=3, head_dim=head_dim,
+             block_size=block_size, dtype=jnp.bfloat16, seed=3)
+    q = s.q.astype(jnp.float32) + 1e-3 * jax.random.normal(jax.random.key(0), s.q.shape)  # not bf16-exact
+    args = (q, *s.decode_args[1:])
+    actual = jax.jit(pallas_paged.paged_attention)(*args)
+    expected = reference.paged_attention(q, *(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                                              for a in args[1:]))
+    assert actual.dtype == jnp.float32 and np.isfinite(np.asarray(actual)).all()
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-4, rtol=2e-4)
+
+
 def test_native_ragged_refuses_inconsistent_rows():
     """More query rows than context tokens, or an entry past the cache, is an error, not zeros."""
     s = make([(30, 5), (10, 2)], q_heads=4, kv_heads=2, head_dim=64, block_size=8)
