@@ -30,12 +30,12 @@ def _replicated(x):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _embed(config, params, input_ids, positions):
-    return _replicated(models.stages(config).embed(params, input_ids, positions))
+    return jax.tree.map(_replicated, models.stages(config).embed(params, input_ids, positions))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
-def _layer(config, layer_params, x, positions, metadata, kv_cache):
-    x, kv_cache = models.stages(config).layer(layer_params, x, positions, metadata, kv_cache)
+def _layer(config, layer_params, x, positional, metadata, kv_cache):
+    x, kv_cache = models.stages(config).layer(layer_params, x, positional, metadata, kv_cache)
     return _replicated(x), kv_cache
 
 

@@ -179,12 +179,12 @@ class ModelRunner:
                 program = self._whole_model[len(inputs.input_ids)] = programs.executable(
                     "decode", *args, config=self.config, mesh=self.mesh)
             return program(*args)
-        x = call("embed", self.outer_params, inputs.input_ids, inputs.positions)
-        layer = programs.executable("layer", self.params["layers"][0], x, inputs.positions, inputs.metadata,
+        x, positional = call("embed", self.outer_params, inputs.input_ids, inputs.positions)
+        layer = programs.executable("layer", self.params["layers"][0], x, positional, inputs.metadata,
                                     kv_caches[0], config=self.config, mesh=self.mesh)
         new_caches = []
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
-            x, kv_cache = layer(layer_params, x, inputs.positions, inputs.metadata, kv_cache)
+            x, kv_cache = layer(layer_params, x, positional, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
         h = call("pick", x, inputs.logits_rows) if inputs.pick else x
         return call("head", self.outer_params, h), new_caches
@@ -204,12 +204,13 @@ class ModelRunner:
                                                                  inputs.positions, inputs.metadata,
                                                                  abstract(kv_caches))))
                 continue
-            x = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), jnp.float32,
-                                     sharding=inputs.input_ids.sharding)
+            x, positional = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=inputs.input_ids.sharding),
+                jax.eval_shape(models.stages(self.config).embed, params, inputs.input_ids, inputs.positions))
             h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32,
                                      sharding=inputs.input_ids.sharding)
             calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
-                      ("layer", self.config, self.mesh, (layer_params, x, inputs.positions, inputs.metadata, kv_cache)),
+                      ("layer", self.config, self.mesh, (layer_params, x, positional, inputs.metadata, kv_cache)),
                       ("head", self.config, self.mesh, (params, h))]
             if inputs.pick:
                 calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))

@@ -38,8 +38,10 @@ __all__ = [
 class Stages(NamedTuple):
     """A model as three functions, bound to its config.
 
-    embed(params, input_ids[T], positions[T]) → x[T, hidden];
-    layer(layer_params, x, positions, metadata, kv_cache) → (x, kv_cache), the same
+    embed(params, input_ids[T], positions[T]) → (x[T, hidden], positional), where
+    ``positional`` is what the layers need to know of the positions, computed once a step
+    (LLaMA: the RoPE cos and sin tables; OPT: nothing);
+    layer(layer_params, x, positional, metadata, kv_cache) → (x, kv_cache), the same
     function for every layer; head(params, x, rows[L]) → float32 logits [L, vocab].
     """
 
@@ -68,10 +70,10 @@ def forward_fn(config: ModelConfig):
     layer = jax.jit(layer)
 
     def forward(params, input_ids, positions, metadata, kv_caches):
-        x = embed(params, input_ids, positions)
+        x, positional = embed(params, input_ids, positions)
         new_caches = []
         for layer_params, kv_cache in zip(params["layers"], kv_caches, strict=True):
-            x, kv_cache = layer(layer_params, x, positions, metadata, kv_cache)
+            x, kv_cache = layer(layer_params, x, positional, metadata, kv_cache)
             new_caches.append(kv_cache)
         return head(params, x, metadata.logits_indices), new_caches
 

@@ -24,13 +24,21 @@ from models.config import ModelConfig
 
 
 def embed(config: ModelConfig, params, input_ids, positions):
-    """Token embeddings. input_ids, positions: int32[T] → float32 [T, hidden]."""
-    return params["embed"][input_ids].astype(jnp.float32)
+    """Token embeddings, and the RoPE tables every layer rotates by.
+
+    input_ids, positions: int32[T] → (float32 [T, hidden], (cos, sin) float32[T, 1, d/2]).
+    Computed once a step, so the layer programs of a prompt step take the tables as arguments:
+    XLA:CPU takes sines and cosines one element at a time, and fuses them into each use (a
+    layer's queries and keys), which cost 4 M of them per 2048-token step. (In a program of
+    the whole model, as decode steps run, XLA still fuses them into every layer's uses; an
+    optimisation barrier does not stop it on CPU. A table gathered by position would.)
+    """
+    return params["embed"][input_ids].astype(jnp.float32), layers.rotary(positions, layers.rope_inv_freq(config))
 
 
-def layer(config: ModelConfig, p, x, positions, metadata, kv_cache):
-    """One pre-norm decoder layer. x: [T, hidden]; positions: int32[T] → ([T, hidden], kv_cache)."""
-    rope = layers.rotary(positions, layers.rope_inv_freq(config))
+def layer(config: ModelConfig, p, x, rope, metadata, kv_cache):
+    """One pre-norm decoder layer. x: [T, hidden]; rope: (cos, sin) from :func:`embed` →
+    ([T, hidden], kv_cache)."""
     h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
     attn, kv_cache = layers.attention(config, p, h, metadata, kv_cache, rope)
     x = x + attn

@@ -24,15 +24,16 @@ POSITION_OFFSET = 2
 
 
 def embed(config: ModelConfig, params, input_ids, positions):
-    """Token plus learned position embeddings. input_ids, positions: int32[T] → float32 [T, hidden]."""
+    """Token plus learned position embeddings. input_ids, positions: int32[T] → (float32
+    [T, hidden], ()): the layers need nothing more about positions."""
     x = params["embed"][input_ids].astype(jnp.float32)
     if "project_in" in params:
         x = layers.linear(x, params["project_in"])
-    return x + params["pos_embed"][positions + POSITION_OFFSET]
+    return x + params["pos_embed"][positions + POSITION_OFFSET], ()
 
 
-def layer(config: ModelConfig, p, x, positions, metadata, kv_cache):
-    """One decoder layer (learned positions: ``positions`` is unused here)."""
+def layer(config: ModelConfig, p, x, positional, metadata, kv_cache):
+    """One decoder layer (learned positions: ``positional`` is the empty tuple :func:`embed` returns)."""
     return _block(config, p, x, metadata, kv_cache)
 
 
