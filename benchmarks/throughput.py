@@ -57,9 +57,11 @@ def memory_bandwidth(gigabytes: float = 0.5) -> float:
 def weight_bytes(llm: LLM) -> int:
     """Bytes of weights one decode step reads: every parameter once, but the token embeddings
     only when they are the head too (otherwise a step reads one row of them; with packed
-    weights a tied embedding has a packed copy as the head)."""
+    weights a tied embedding has a packed copy as the head), and none of the RoPE tables
+    (a row each)."""
     params = llm.engine.runner.params
-    read = {key: value for key, value in params.items() if key != "embed" or "lm_head" not in params}
+    read = {key: value for key, value in params.items()
+            if key != "rope" and (key != "embed" or "lm_head" not in params)}
     return sum(leaf.nbytes for leaf in jax.tree.leaves(read))
 
 

@@ -5,7 +5,8 @@ Parameters (layout in :mod:`models.layers`)::
     {"embed": [vocab, hidden],
      "layers": [{"attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down"}, ...],
      "final_norm": {"scale": [hidden]},
-     "lm_head": {"w": [hidden, vocab]}}      # absent with tied embeddings
+     "lm_head": {"w": [hidden, vocab]},      # absent with tied embeddings
+     "rope": {"cos", "sin"}}                 # float32 [positions, head_dim / 2], not weights
 
 Layers are a Python list of per-layer arrays (faster on CPU than ``scan`` over
 stacked weights); the stages (``embed``, ``layer``, ``head``) are composed by
@@ -27,13 +28,10 @@ def embed(config: ModelConfig, params, input_ids, positions):
     """Token embeddings, and the RoPE tables every layer rotates by.
 
     input_ids, positions: int32[T] → (float32 [T, hidden], (cos, sin) float32[T, 1, d/2]).
-    Computed once a step, so the layer programs of a prompt step take the tables as arguments:
-    XLA:CPU takes sines and cosines one element at a time, and fuses them into each use (a
-    layer's queries and keys), which cost 4 M of them per 2048-token step. (In a program of
-    the whole model, as decode steps run, XLA still fuses them into every layer's uses; an
-    optimisation barrier does not stop it on CPU. A table gathered by position would.)
+    The tables are rows of ``params["rope"]`` (:func:`models.layers.rope_table`), gathered
+    once a step, so the layer programs of a prompt step take them as arguments.
     """
-    return params["embed"][input_ids].astype(jnp.float32), layers.rotary(positions, layers.rope_inv_freq(config))
+    return params["embed"][input_ids].astype(jnp.float32), layers.rotary(positions, params["rope"])
 
 
 def layer(config: ModelConfig, p, x, rope, metadata, kv_cache):
@@ -67,6 +65,8 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: C
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = put(layers.linear_from_hf(get, "lm_head", False, (config.vocab_size, *hidden)))
+    # float32 whatever the weights' dtype (``put`` casts): HF rotates in float32 too.
+    params["rope"] = {key: jnp.asarray(table) for key, table in layers.rope_table(config).items()}
     return params
 
 
