@@ -40,6 +40,8 @@ class EngineConfig:
     in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
     start; without it each shape compiles the first time a step needs it.
     ``tensor_parallel_size`` splits the model over that many devices (see ``engine.parallel``).
+    ``async_scheduling`` dispatches a decode step before the previous one's tokens reach the
+    host, where that cannot change what is generated (see ``engine.lookahead``).
     """
 
     model: str | None = None
@@ -59,6 +61,7 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     tensor_parallel_size: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
@@ -91,6 +94,7 @@ class EngineConfig:
              "'paged' with enable_prefix_caching (the paper's Orca baselines have no prefix cache)",
              self.reservation),
             (self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy),
+            (isinstance(self.async_scheduling, bool), "async_scheduling", "True or False", self.async_scheduling),
         ]
         for ok, field, allowed, value in checks:
             if not ok:

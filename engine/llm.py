@@ -54,7 +54,9 @@ class LLM:
     "orca-pow2", "orca-oracle"). seed: for requests without their own. policy: "fcfs"
     (continuous batching) or "static" (a batch runs until all its members finish). warmup:
     compile every step shape now (else on first use). tensor_parallel_size: split the model
-    over that many devices (heads, MLP, vocabulary; see ``engine.parallel``).
+    over that many devices (heads, MLP, vocabulary; see ``engine.parallel``). async_scheduling:
+    dispatch a decode step before the previous one's tokens reach the host, where that cannot
+    change the output (see ``engine.lookahead``).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -63,14 +65,15 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
-                 policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1):
+                 policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
+                 async_scheduling: bool = True):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, swap_space=swap_space, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

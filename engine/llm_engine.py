@@ -21,17 +21,17 @@ import numpy as np
 import models
 import pallas_paged
 from models import gguf_cache
-from engine import beam_search, parallel, step_sampling
+from engine import beam_search, lookahead, parallel, step_sampling
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput, token_logprobs
 from engine.requests import RequestState, SeqProgress
-from engine.runner import ModelRunner
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
-from engine.sampler import prompt_logprobs
-from engine.step_sampling import Row, sample_rows
+from engine.runner import ModelRunner, StepInputs
+from engine.sampler import SamplerOutput, SamplingBatch, prompt_logprobs
+from engine.step_sampling import Row
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,33 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    lookahead_steps: int = 0  # steps whose work an earlier lookahead had computed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+    """A step's sampling, dispatched: its rows, and the sampler's device arrays, in which row
+    ``rows[i]`` is ``sampler_rows[i]``; the model's inputs and the sampler's parameters (what
+    a lookahead after it starts from)."""
+
+    rows: tuple[Row, ...]
+    sampled: SamplerOutput
+    sampler_rows: tuple[int, ...]
+    inputs: StepInputs
+    batch: SamplingBatch
+
+    def taking(self, indices) -> _Launched:
+        """The rows at ``indices`` only."""
+        return dataclasses.replace(self, rows=tuple(self.rows[i] for i in indices),
+                                   sampler_rows=tuple(self.sampler_rows[i] for i in indices))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookahead:
+    """A decode step dispatched before the scheduler decided it: its works (placeholder tokens)."""
+
+    works: tuple
+    launched: _Launched
 
 
 class LLMEngine:
@@ -123,6 +150,8 @@ class LLMEngine:
         self._idle_warm_ups: list[int] = []
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
+            if config.async_scheduling and mesh is None:
+                self.runner.warm_up_advance()
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
                 step_sampling.warm_up(self.model_config.vocab_size, self._sampler_sizes)
                 self._idle_warm_ups = sorted(self._sampler_sizes)
@@ -131,6 +160,8 @@ class LLMEngine:
         self.state = sch.initial_state(self.scheduler_config)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
+        self._lookahead: _Lookahead | None = None
+        self._async = config.async_scheduling and mesh is None  # not under a mesh: untested there
         self._seeds = np.random.default_rng(config.seed)
         # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -254,6 +285,9 @@ class LLMEngine:
         If the step fails part-way (an error, or Ctrl-C), the requests it was running are
         aborted with the error recorded (every request, if the KV cache's contents were
         lost), their blocks are freed, and the exception propagates; the engine stays usable.
+
+        With ``async_scheduling``, a decode step may already have run as the previous step's
+        lookahead (:mod:`engine.lookahead`): then its tokens are taken instead of running it.
         """
         self.state, plan = sch.schedule(self.state)
         touched: dict[str, RequestState] = {}
@@ -264,13 +298,25 @@ class LLMEngine:
                 touched[request_id] = request
                 if any(seq.token_ids for seq in request.seqs.values()) or request.first_token_time is not None:
                     log.warning("request %s stopped before its end: %s", request_id, reason)
+        ahead, self._lookahead = self._lookahead, None
+        taken = None if ahead is None else lookahead.rows_taken(ahead.works, plan)
         blocks_moved = False
         try:
-            self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
-            blocks_moved = True
-            actions = self._run(plan.scheduled, touched) if plan.scheduled else []
+            if taken is None:
+                self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+                blocks_moved = True
+                launched = self._launch(plan.scheduled) if plan.scheduled else None
+            else:
+                blocks_moved = True
+                launched = ahead.launched.taking(taken)
+                self.counters.lookahead_steps += 1
+            if launched is not None and self._async and \
+                    lookahead.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
+                self._lookahead = self._dispatch_lookahead(plan.scheduled, launched)
+            actions = self._record(launched, touched) if launched is not None else []
             self.state = sch.update(self.state, actions)
         except BaseException as error:
+            self._lookahead = None
             self._recover(plan, error, every_request=not blocks_moved)
             raise
         self.counters.steps += 1
@@ -295,7 +341,9 @@ class LLMEngine:
             self.state = sch.initial_state(self.scheduler_config)
         log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
-    def _run(self, works, touched) -> list:
+    def _launch(self, works) -> _Launched | None:
+        """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
+        which wait for the logits); None when nothing samples."""
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
         inputs = self.runner.prepare(works, logits_tokens)
         logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
@@ -303,24 +351,46 @@ class LLMEngine:
         if prompt_rows:
             self._record_prompt_logprobs(logits, prompt_rows)
         if not rows:
-            return []
+            return None
         # Padded to the logits' rows when the warm-up compiled that size; otherwise (the token
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
-        sampled = sample_rows(logits, rows, pad_to=pad_to)
+        sampled, batch = step_sampling.dispatch(logits, rows, pad_to=pad_to)
+        return _Launched(tuple(rows), sampled, tuple(range(len(rows))), inputs, batch)
+
+    def _dispatch_lookahead(self, works, launched: _Launched) -> _Lookahead | None:
+        """Dispatch the decode after ``works`` (see :func:`engine.lookahead.eligible`), its input
+        tokens ``launched``'s samples on the device. None when those are not one per row in
+        order (some sequences of the step before ended) or padded to another size, or the step
+        picked its logits rows."""
+        tokens, inputs = launched.sampled.tokens, launched.inputs
+        if (launched.sampler_rows != tuple(range(len(works))) or inputs.pick
+                or tokens.shape != inputs.input_ids.shape):
+            return None
+        inputs = self.runner.advance(inputs).replace(input_ids=tokens)
+        logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
+        sampled, batch = step_sampling.dispatch_next(logits, launched.batch)
+        rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(launched.rows))
+        return _Lookahead(lookahead.next_works(works), _Launched(rows, sampled, launched.sampler_rows, inputs, batch))
+
+    def _record(self, launched: _Launched, touched) -> list:
+        """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""
+        sampled = step_sampling.fetch(launched.sampled, max(launched.sampler_rows) + 1)
+        rows, picked = launched.rows, launched.sampler_rows
         actions, next_child = [], self.state.next_seq_id
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
-            by_request.setdefault(row.request.request_id, []).append(i)
+            by_request.setdefault(row.request.request_id, []).append(picked[i])
+        row_at = dict(zip(picked, rows))
         for request_id, indices in by_request.items():
             request = self.requests[request_id]
             touched[request_id] = request
             if request.is_beam_search:
-                by_seq = {rows[i].seq_id: i for i in indices}
+                by_seq = {row_at[i].seq_id: i for i in indices}
                 new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
                 actions += new_actions
             else:
-                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
+                actions += self._sample_step(request, [row_at[i] for i in indices], indices, sampled)
         return actions
 
     def _logits_plan(self, works):

@@ -97,6 +97,19 @@ class StepInputs:
     pick: bool = flax.struct.field(pytree_node=False, default=True)
 
 
+@jax.jit
+def _advance(inputs: StepInputs) -> StepInputs:
+    """The decode step after ``inputs`` (a decode step) when every sequence's next token stays
+    in the block of its last: positions, slots and context lengths of the real rows one on.
+    The input ids are the caller's to set."""
+    metadata = inputs.metadata
+    real = metadata.slot_mapping >= 0  # [T] (padding rows have slot -1 and context 0)
+    return inputs.replace(
+        positions=jnp.where(real, inputs.positions + 1, inputs.positions),
+        metadata=metadata.replace(slot_mapping=jnp.where(real, metadata.slot_mapping + 1, -1),
+                                  context_lens=jnp.where(metadata.context_lens > 0, metadata.context_lens + 1, 0)))
+
+
 class ModelRunner:
     """Runs the model for a scheduled step; owns the compiled programs and their buckets."""
 
@@ -163,6 +176,13 @@ class ModelRunner:
         inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens), pick)
         return jax.device_put(inputs, self._inputs)
 
+    def advance(self, inputs: StepInputs) -> StepInputs:
+        """What :meth:`prepare` makes of the decodes one position after ``inputs``' (see
+        :func:`engine.lookahead.next_works`), computed on the device from ``inputs``: only
+        when ``inputs`` is a decode step (not ``pick``) whose sequences' next tokens all stay
+        in the blocks of their last."""
+        return _advance(inputs)
+
     def run(self, inputs: StepInputs, kv_caches):
         """Run every stage. Returns (float32 logits [L, vocab], new kv_caches); the first
         ``inputs.num_logits`` rows are the ones asked for (the rest is padding).
@@ -217,6 +237,12 @@ class ModelRunner:
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
+
+    def warm_up_advance(self) -> None:
+        """Compile :meth:`advance` for every decode bucket (about 0.06 s each), so the first
+        lookahead of each size does not wait for the compiler."""
+        for size in self.decode_buckets:
+            jax.block_until_ready(self.advance(self.prepare(self._dummy_works(1, size), range(size))))
 
     def _step_shapes(self) -> list[tuple[int, int, int]]:
         """Every step shape as (kind, tokens, logits rows): kind 1 is decode-only, 2 has prompts."""

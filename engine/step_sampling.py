@@ -105,20 +105,47 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
 
     logits: float32[L, vocab]. The rows are padded to at least ``pad_to``: L, when it is one
     of the sizes :func:`warm_up` compiled, so the step runs a compiled program."""
+    return fetch(dispatch(logits, rows, pad_to)[0], len(rows))
+
+
+def dispatch(logits, rows: list[Row], pad_to: int = 1) -> tuple[SamplerOutput, SamplingBatch]:
+    """:func:`sample_rows` without waiting: the sampler's device arrays, padded rows included
+    (int32 tokens [pad], ...), and the batch of parameters it sampled with."""
     num_top = max((_wanted_top(row.request) for row in rows), default=0)
     batch = batch_for(rows, num_top, logits.shape[-1], size=pad_to)
-    if not logits.committed:  # whether they are depends on how the head was compiled; the
-        # sampler's programs differ by it, and :func:`warm_up` compiles the committed ones.
-        logits = jax.device_put(logits, next(iter(logits.devices())))
+    return _sample(logits, rows, batch), batch
+
+
+def dispatch_next(logits, batch: SamplingBatch) -> tuple[SamplerOutput, SamplingBatch]:
+    """Sample the step after the one ``batch`` sampled, for the same rows, the logits' own in
+    order (a lookahead, :mod:`engine.lookahead`, whose inputs depend on nothing but the step):
+    each row's random number is then the one it would draw after recording the earlier token."""
+    batch = batch.replace(step=batch.step + np.int32(1))
+    return sample(_committed(logits), batch), batch
+
+
+def _committed(logits):
+    """``logits`` placed on their device: the sampler's programs differ by whether they are,
+    and :func:`warm_up` compiles the committed ones (whether a head's logits are depends on
+    how it was compiled)."""
+    return logits if logits.committed else jax.device_put(logits, next(iter(logits.devices())))
+
+
+def _sample(logits, rows: list[Row], batch: SamplingBatch) -> SamplerOutput:
+    logits = _committed(logits)
     picked = [row.logits_row for row in rows]
     size = batch.temperature.shape[0]
     if size != logits.shape[0] or picked != list(range(len(rows))):
         index = np.zeros(size, np.int32)  # padding rows read row 0
         index[: len(rows)] = picked
         logits = pick_rows(logits, index)
-    out = sample(logits, batch)
-    return SamplerOutput(*(np.asarray(x)[: len(rows)] for x in (out.tokens, out.logprobs, out.ranks, out.top_tokens,
-                                                                 out.top_logprobs)))
+    return sample(logits, batch)
+
+
+def fetch(out: SamplerOutput, num_rows: int) -> SamplerOutput:
+    """The first ``num_rows`` rows of :func:`dispatch`'s arrays, as numpy (waits for them)."""
+    return SamplerOutput(*(np.asarray(x)[:num_rows] for x in (out.tokens, out.logprobs, out.ranks, out.top_tokens,
+                                                              out.top_logprobs)))
 
 
 def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:

@@ -1,0 +1,85 @@
+"""Async scheduling: the next decode step, dispatched before this one's tokens reach the host.
+
+While the device runs step N, the host would otherwise wait for N's tokens, record them,
+schedule N+1, build its arrays and dispatch it, with the device idle all that time (about a
+quarter of a single-sequence step here). Instead, right after dispatching N, the engine
+dispatches a *lookahead* step N+1 whose input tokens are N's sampled tokens still on the
+device, then records N while N+1 runs. When the scheduler next decides, it normally decides
+exactly the lookahead's work (minus sequences that stopped at N), and the engine takes the
+lookahead's tokens instead of running the step again; otherwise the lookahead is dropped.
+
+A lookahead is only dispatched when it cannot disagree with the scheduler except by
+sequences ending: a decode-only step, nothing waiting or swapped out (no admissions), every
+next token's slot the one after its last token's, in the same block (no allocation, so no
+preemption or copy-on-write), and no sampling input that depends on the token still on the device
+(penalties, bad words, ``min_tokens`` still to reach) or on the host's choices (beam search).
+Dropping one is harmless: it wrote KV only one slot past each sequence's context, in a block
+the sequence alone wrote to at step N, where nothing reads before the slot is written again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from engine.requests import RequestState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
+
+
+def _key(work: ScheduledGroupWork) -> tuple:
+    """What the scheduler decides about a work, without its token (the lookahead's is on the device)."""
+    return work.request_id, work.seq_ids, work.start, work.block_table, work.is_prefill, work.do_sample
+
+
+def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
+    """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
+    placeholder token (0) where the token sampled from ``works`` goes."""
+    return tuple(dataclasses.replace(work, token_ids=(0,), start=work.start + 1) for work in works)
+
+
+def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,
+             block_size: int) -> bool:
+    """Whether the step after ``works`` (this step's scheduled work) can be dispatched now (see
+    the module's docstring); ``state`` is the scheduler's after this step's ``schedule``."""
+    if state.waiting or state.swapped or not works:
+        return False
+    continues = False
+    for work in works:
+        request = requests.get(work.request_id)
+        if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
+                or len(work.seq_ids) != 1 or not _sampling_is_static(request, work.seq_ids[0])
+                or not _next_slot_follows(work, block_size)):
+            return False
+        continues |= len(request.generated(work.seq_ids[0])) + 1 < request.max_tokens
+    return continues  # not when every sequence ends at this step by its length
+
+
+def _next_slot_follows(work: ScheduledGroupWork, block_size: int) -> bool:
+    """Whether the token after ``work``'s goes in the slot after its token's, in the same block
+    (a block table holds the context's blocks only: the next block would need an allocation)."""
+    following = work.start + 1
+    return following % block_size != 0 and following < len(work.block_table) * block_size
+
+
+def _sampling_is_static(request: RequestState, seq_id: int) -> bool:
+    """Whether the sampler's inputs for ``seq_id``'s next token do not depend on this step's
+    token: no penalties (they count it), no bad words (they look at it), ``min_tokens``
+    reached (the step after this one must not ban EOS); not beam search."""
+    params = request.params
+    if not isinstance(params, SamplingParams) or request.bad_word_ids:
+        return False
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        return False
+    return len(request.generated(seq_id)) >= params.min_tokens
+
+
+def rows_taken(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> list[int] | None:
+    """For each work the scheduler planned, the index of the lookahead's work that computed it;
+    None unless the lookahead computed every one (and the plan moves no blocks)."""
+    if (not plan.scheduled or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy
+            or plan.preempted):
+        return None
+    index = {_key(work): i for i, work in enumerate(lookahead_works)}
+    taken = [index.get(_key(work)) for work in plan.scheduled]
+    return None if None in taken else taken

@@ -1,0 +1,148 @@
+"""Async scheduling (``engine.lookahead``): the same outputs as without it, steps taken from
+lookaheads, and nothing lost when the scheduler decides otherwise (ends, aborts, arrivals,
+preemption)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine import lookahead
+from engine.scheduler import ScheduledGroupWork
+from tests.engine.tiny import ENGINE, prompts, tiny_llm
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    """(async LLM, sync LLM, vocabulary size) of one tiny checkpoint."""
+    directory = tmp_path_factory.mktemp("tiny")
+    on, hf = tiny_llm("llama_gqa_tied", directory)
+    off = LLM(str(directory), **{**ENGINE, "async_scheduling": False})
+    return on, off, hf.config.vocab_size
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaks(llms):
+    yield
+    for llm in llms[:2]:
+        stats = llm.cache_stats()
+        assert stats.device_blocks_free == stats.device_blocks_total
+        assert stats.host_blocks_free == stats.host_blocks_total
+
+
+def _seen(output) -> list:
+    """What a user reads of a request's output."""
+    return [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob,
+             [sorted((t, round(l.logprob, 5)) for t, l in step.items()) for step in c.logprobs or []])
+            for c in output.outputs]
+
+
+def _mixed_params(vocab: int) -> list[SamplingParams]:
+    """One request of each kind a lookahead treats differently."""
+    return [
+        SamplingParams(temperature=0, max_tokens=30, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=25),
+        SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=20),
+        SamplingParams(temperature=0.7, seed=3, min_tokens=12, max_tokens=24, stop_token_ids=[5, 9, 17]),
+        SamplingParams(temperature=0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=18),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=1.0, seed=5, top_k=20, max_tokens=40, stop_token_ids=list(range(3, vocab, 97))),
+    ]
+
+
+def test_outputs_are_those_of_the_synchronous_engine(llms):
+    on, off, vocab = llms
+    params = _mixed_params(vocab)
+    batch = prompts(len(params), vocab, seed=4)
+    before = on.engine.counters.lookahead_steps
+    ours = on.generate(batch, params, use_tqdm=False)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, params, use_tqdm=False)]
+    assert on.engine.counters.lookahead_steps > before
+
+
+def test_a_single_sequence_decodes_mostly_from_lookaheads(llms):
+    on, off, vocab = llms
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompt = prompts(1, vocab, seed=8)
+    steps, taken = on.engine.counters.steps, on.engine.counters.lookahead_steps
+    (ours,) = on.generate(prompt, greedy, use_tqdm=False)
+    assert _seen(ours) == _seen(off.generate(prompt, greedy, use_tqdm=False)[0])
+    steps, taken = on.engine.counters.steps - steps, on.engine.counters.lookahead_steps - taken
+    # All but the prefill, the first decode and the steps that open a block (one in 8).
+    assert taken >= steps - 2 - 64 // ENGINE["block_size"]
+
+
+def _drive(llm, events) -> dict:
+    """Run ``events`` (step numbers → ("add", id, prompt, params) or ("abort", id)) on the
+    engine, stepping until every request ends; every request's last output."""
+    engine, last, step = llm.engine, {}, 0
+    while step <= max(events) or engine.has_unfinished_requests():
+        for event in events.get(step, []):
+            if event[0] == "add":
+                engine.add_request(*event[1:])
+            else:
+                engine.abort_request(event[1])
+        for output in engine.step():
+            last[output.request_id] = output
+        step += 1
+    return {request_id: _seen(output) for request_id, output in last.items()}
+
+
+def test_arrivals_and_aborts_while_a_lookahead_runs(llms):
+    on, off, vocab = llms
+    a, b, c = prompts(3, vocab, seed=12)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, seed=2, max_tokens=30, ignore_eos=True)
+    events = {0: [("add", "a", a, long)], 5: [("add", "b", b, sampled)], 11: [("abort", "a")],
+              12: [("add", "c", c, long)], 20: [("abort", "c")]}
+    ours = _drive(on, events)
+    assert ours == _drive(off, events)
+    assert ours["b"][0][2] == "length" and len(ours["a"][0][0]) < 40  # a's last output before its abort
+
+
+def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
+    small = dict(num_blocks=24, max_num_seqs=8)  # 192 slots for 6 sequences of up to 90 tokens
+    on, hf = tiny_llm("llama_gqa_tied", tmp_path, **small)
+    off = LLM(str(tmp_path), **{**ENGINE, **small, "async_scheduling": False})
+    batch = prompts(6, hf.config.vocab_size, seed=21)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
+    ours = on.generate(batch, params, use_tqdm=False)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, params, use_tqdm=False)]
+    assert on.engine.state.num_preemptions > 0 and on.engine.counters.lookahead_steps > 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_advanced_inputs_are_those_prepare_makes(llms, rows):
+    runner = llms[0].engine.runner
+    starts = [8 * (i % 5) + i % 7 for i in range(rows)]  # the next token in the same block of 8
+    works = [ScheduledGroupWork("r", (i,), (4 + i,), start, tuple(range(3 * i, 3 * i + 10)), False, True)
+             for i, start in enumerate(starts)]
+    advanced = runner.advance(runner.prepare(works, range(rows)))
+    wanted = runner.prepare(lookahead.next_works(works), range(rows))
+    for got, want in zip(jax.tree.leaves(advanced.replace(input_ids=wanted.input_ids)), jax.tree.leaves(wanted)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_no_lookahead_where_its_inputs_would_depend_on_the_token(llms):
+    on, _, vocab = llms
+    engine = on.engine
+    engine.add_request("p", prompts(1, vocab, seed=3)[0], SamplingParams(temperature=0, frequency_penalty=1.0,
+                                                                         max_tokens=12, ignore_eos=True))
+    before = engine.counters.lookahead_steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.counters.lookahead_steps == before
+
+
+def test_an_orca_reservation_gives_the_same_outputs(tmp_path):
+    """Blocks reserved ahead (the paper's Orca baselines) join a table when a token needs them:
+    the lookahead leaves those steps to the scheduler."""
+    on, hf = tiny_llm("llama_gqa_tied", tmp_path, reservation="orca-max")
+    off = LLM(str(tmp_path), **{**ENGINE, "reservation": "orca-max", "async_scheduling": False})
+    batch = prompts(2, hf.config.vocab_size, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    ours = on.generate(batch, greedy, use_tqdm=False)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, greedy, use_tqdm=False)]
+    assert on.engine.counters.lookahead_steps > 0
