@@ -88,10 +88,27 @@ def matvec(dtype: str, rows=(1, 2, 8, 32), *, packed: bool = False) -> list[list
     return [[f"{name} x {m} rows", nbytes, times[m] * 1e3, nbytes / times[m] / 1e9] for m in rows]
 
 
+def single_sequence(llm: LLM, synchronous: LLM, prompt, max_tokens: int, rounds: int) -> list[list]:
+    """One sequence against the memory-bandwidth bound, with and without async scheduling:
+    each round measures the bandwidth, then both engines (alternating), so that each ratio
+    divides numbers taken under the same load (readings of the bandwidth on this shared
+    machine ranged from 13 to 45 GB/s within one day). Rows: engine, weights MiB, median
+    bandwidth, median bound, median rates (overall, after the first token), median ratio."""
+    samples = {"on": [], "off": []}
+    for _ in range(rounds):
+        bandwidth = memory_bandwidth()
+        for key, engine in (("on", llm), ("off", synchronous)):
+            overall, decoding = decode_rate(engine, prompt, max_tokens)
+            bound = bandwidth / weight_bytes(engine)
+            samples[key].append((bandwidth / 1e9, bound, overall, decoding, decoding / bound))
+    median = lambda values: float(np.median(values))  # noqa: E731
+    return [[key, weight_bytes(llm) / 2**20, *(median(column) for column in zip(*samples[key]))]
+            for key in ("on", "off")]
+
+
 def chat(args) -> None:
     """The targets' setting: both dtypes, this engine vs HF, plus single-sequence decode
     against the memory-bandwidth bound (weights bytes per token / measured bandwidth)."""
-    bandwidth = memory_bandwidth()
     rows, bound_rows, baseline = [], [], {}
     for dtype in ("float32", "bfloat16"):
         hf = hf_baseline.HFModel(dtype)
@@ -109,25 +126,27 @@ def chat(args) -> None:
         baseline[dtype] = tokens / hf_seconds
         rows.append([f"HF generate {dtype}", tokens, hf_seconds, tokens / hf_seconds, 1.0])
         rows.append([f"pallas-paged {dtype}", ours, seconds, ours / seconds, ours / seconds / baseline[dtype]])
-        overall, decoding = decode_rate(llm, prompts[0], args.max_tokens)
-        rows.append([f"pallas-paged {dtype}, 1 sequence", args.max_tokens, args.max_tokens / overall, overall, ""])
-        bound = bandwidth / weight_bytes(llm)
-        bound_rows.append([dtype, weight_bytes(llm) / 2**20, bound, overall, decoding, decoding / bound])
-        del llm, hf
+        del hf
         gc.collect()
-    rows.append(["best pallas-paged vs HF bf16", "", "", "", max(r[3] for r in rows if "paged" in r[0]
-                                                                   and "1 seq" not in r[0]) / baseline["bfloat16"]])
+        synchronous = LLM(dtype=dtype, max_num_seqs=max(args.requests, 8), max_model_len=1024, async_scheduling=False)
+        engine_run(synchronous, prompts[:2], [4, 4])
+        for scheduling, *numbers in single_sequence(llm, synchronous, prompts[0], args.max_tokens, args.rounds):
+            bound_rows.append([dtype, f"async {scheduling}", *numbers])
+        del llm, synchronous
+        gc.collect()
+    rows.append(["best pallas-paged vs HF bf16", "", "", "", max(r[3] for r in rows if "paged" in r[0])
+                 / baseline["bfloat16"]])
     table = print_table(["system", "tokens", "seconds", "tokens/s", "vs HF same dtype"], rows)
-    table += (f"\n\nMedian of {args.rounds} rounds per system, alternating HF and this engine "
-              "(one sequence: one run, not comparable with HF's batch).")
-    bounds = print_table(["dtype", "weights MiB", "bound tokens/s", "1 sequence tokens/s",
-                          "after the first token", "vs bound"], bound_rows)
+    table += f"\n\nMedian of {args.rounds} rounds per system, alternating HF and this engine."
+    bounds = print_table(["dtype", "scheduling", "weights MiB", "bandwidth GB/s", "bound tokens/s",
+                          "1 sequence tokens/s", "after the first token", "vs bound"], bound_rows)
     products = print_table(["products", "weight bytes", "ms", "GB/s"], [
         *matvec("float32"), *(matvec("float32", packed=True) if pallas_paged.packing_enabled() else []),
         *matvec("bfloat16"), *(matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else [])])
-    save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound (measured "
-              f"bandwidth {bandwidth / 1e9:.1f} GB/s; 'vs bound' takes the rate after the first token, "
-              f"without the prompt phase):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
+    save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound ({args.rounds} rounds, "
+              "each measuring the bandwidth and then decoding with async scheduling on and off; medians, "
+              "'vs bound' the median of each round's ratio of the rate after the first token, without the "
+              f"prompt phase, to that round's bound):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
               f"{products}", "throughput_chat")
 
 
