@@ -150,8 +150,6 @@ class LLMEngine:
         self._idle_warm_ups: list[int] = []
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
-            if config.async_scheduling and mesh is None:
-                self.runner.warm_up_advance()
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
                 step_sampling.warm_up(self.model_config.vocab_size, self._sampler_sizes)
                 self._idle_warm_ups = sorted(self._sampler_sizes)

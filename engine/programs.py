@@ -18,6 +18,7 @@ import jax
 
 import models
 import pallas_paged
+from engine import lookahead
 
 
 def _replicated(x):
@@ -56,7 +57,13 @@ def _decode(config, params, input_ids, positions, metadata, kv_caches):
     return models.forward_fn(config)(params, input_ids, positions, every_row, kv_caches)
 
 
-STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode}
+@functools.partial(jax.jit, static_argnums=0)
+def _advance(config, positions, slot_mapping, context_lens):
+    """A lookahead's inputs from the step before's (:func:`engine.lookahead.advanced`)."""
+    return lookahead.advanced(positions, slot_mapping, context_lens)
+
+
+STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode, "advance": _advance}
 _compiled: dict = {}
 _lock = threading.Lock()
 

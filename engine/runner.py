@@ -97,19 +97,6 @@ class StepInputs:
     pick: bool = flax.struct.field(pytree_node=False, default=True)
 
 
-@jax.jit
-def _advance(inputs: StepInputs) -> StepInputs:
-    """The decode step after ``inputs`` (a decode step) when every sequence's next token stays
-    in the block of its last: positions, slots and context lengths of the real rows one on.
-    The input ids are the caller's to set."""
-    metadata = inputs.metadata
-    real = metadata.slot_mapping >= 0  # [T] (padding rows have slot -1 and context 0)
-    return inputs.replace(
-        positions=jnp.where(real, inputs.positions + 1, inputs.positions),
-        metadata=metadata.replace(slot_mapping=jnp.where(real, metadata.slot_mapping + 1, -1),
-                                  context_lens=jnp.where(metadata.context_lens > 0, metadata.context_lens + 1, 0)))
-
-
 class ModelRunner:
     """Runs the model for a scheduled step; owns the compiled programs and their buckets."""
 
@@ -181,7 +168,11 @@ class ModelRunner:
         :func:`engine.lookahead.next_works`), computed on the device from ``inputs``: only
         when ``inputs`` is a decode step (not ``pick``) whose sequences' next tokens all stay
         in the blocks of their last."""
-        return _advance(inputs)
+        metadata = inputs.metadata
+        positions, slots, context_lens = programs.call(
+            "advance", inputs.positions, metadata.slot_mapping, metadata.context_lens, config=self.config, mesh=self.mesh)
+        return inputs.replace(positions=positions,
+                              metadata=metadata.replace(slot_mapping=slots, context_lens=context_lens))
 
     def run(self, inputs: StepInputs, kv_caches):
         """Run every stage. Returns (float32 logits [L, vocab], new kv_caches); the first
@@ -219,6 +210,9 @@ class ModelRunner:
         for kind, num_tokens, num_logits in shapes:
             works = self._dummy_works(kind, num_tokens)
             inputs = abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
+            if kind == 1:  # a lookahead's inputs (``advance``)
+                calls.append(("advance", self.config, self.mesh, (inputs.positions, inputs.metadata.slot_mapping,
+                                                                   inputs.metadata.context_lens)))
             if kind == 1 and num_tokens in self.one_program_buckets:
                 calls.append(("decode", self.config, self.mesh, (abstract(self.params), inputs.input_ids,
                                                                  inputs.positions, inputs.metadata,
@@ -237,12 +231,6 @@ class ModelRunner:
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
-
-    def warm_up_advance(self) -> None:
-        """Compile :meth:`advance` for every decode bucket (about 0.06 s each), so the first
-        lookahead of each size does not wait for the compiler."""
-        for size in self.decode_buckets:
-            jax.block_until_ready(self.advance(self.prepare(self._dummy_works(1, size), range(size))))
 
     def _step_shapes(self) -> list[tuple[int, int, int]]:
         """Every step shape as (kind, tokens, logits rows): kind 1 is decode-only, 2 has prompts."""
