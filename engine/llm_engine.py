@@ -67,17 +67,25 @@ def _checkpoint_version(path: Path) -> tuple:
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
-def _load_model(model: str | None, dtype: str, *, packed: bool) -> _SharedModel:
+def _load_model(model: str | None, dtype: str, *, tensor_parallel_size: int) -> _SharedModel:
     """The checkpoint's parameters, loaded once while some engine uses them: engines of the
     same files share them (they are immutable), a re-saved checkpoint is read afresh, and
-    they are freed with the last engine. ``packed`` (engines without a device mesh, where
-    :func:`pallas_paged.packing_enabled`) packs the weights for the native CPU product
-    (:func:`models.packed_for_cpu`) and keeps only the packed ones."""
+    they are freed with the last engine. Engines without a device mesh, where
+    :func:`pallas_paged.packing_enabled`, pack the weights for the native CPU product
+    (:func:`models.packed_for_cpu`) and keep only the packed ones. A checkpoint no engine
+    holds is read while the native kernels build or load (on a first start, g++ takes
+    seconds), as whether to pack depends on them."""
     path = models.resolve(model)
-    key = (str(path.resolve()), dtype, _checkpoint_version(path), packed)
+    base = (str(path.resolve()), dtype, _checkpoint_version(path))
+    loaded = None
+    if not any(key[:3] == base for key in list(_shared_models.keys())):
+        pallas_paged.native.start_loading()
+        loaded = models.load_model(path, dtype=dtype)
+    packed = tensor_parallel_size == 1 and pallas_paged.packing_enabled()
+    key = (*base, packed)
     shared = _shared_models.get(key)
     if shared is None:
-        loaded = models.load_model(path, dtype=dtype)
+        loaded = loaded or models.load_model(path, dtype=dtype)
         if packed:
             loaded = loaded._replace(params=models.packed_for_cpu(loaded.params))
         shared = _shared_models[key] = _SharedModel(loaded)
@@ -127,8 +135,7 @@ class LLMEngine:
         start = time.monotonic()
         _use_compilation_cache()
         self.config = config
-        packed = config.tensor_parallel_size == 1 and pallas_paged.packing_enabled()  # no mesh
-        self._model = _load_model(config.model, config.param_dtype, packed=packed)
+        self._model = _load_model(config.model, config.param_dtype, tensor_parallel_size=config.tensor_parallel_size)
         self.model_config, params, self.tokenizer = self._model.loaded
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
         mesh = parallel.make_mesh(config.tensor_parallel_size)

@@ -113,18 +113,31 @@ def _build(path: pathlib.Path, compiler: list[str]) -> None:
         os.replace(partial, path)  # atomic: concurrent builders each publish a whole file
 
 
-@functools.cache
+_library: ctypes.CDLL | None = None
+
+
 def load() -> ctypes.CDLL:
     """Build (once per machine) and register the kernels with XLA:CPU; raises NativeBuildError."""
+    global _library
     with _lock:
-        compiler = _compiler()
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(path, compiler)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedRaggedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedMatmul), platform="cpu")
-        return library
+        if _library is None:
+            compiler = _compiler()
+            path = _library_path(compiler)
+            if not path.exists():
+                _build(path, compiler)
+            library = ctypes.cdll.LoadLibrary(str(path))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedRaggedAttention), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedMatmul), platform="cpu")
+            _library = library
+        return _library
+
+
+def start_loading() -> None:
+    """Build or load the kernels on a thread of their own (:func:`available`), so that the
+    caller can do other work meanwhile, such as reading a checkpoint: a first build takes
+    seconds of the compiler's time. Their first use waits for it."""
+    if jax.default_backend() == "cpu" and _library is None:
+        threading.Thread(target=available, name="pallas-paged-native", daemon=True).start()
 
 
 def supports(q_dtype, cache_dtype, head_dim: int) -> bool:
