@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax.numpy as jnp
-
 from engine.requests import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
@@ -38,16 +36,6 @@ def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork,
     """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
     placeholder token (0) where the token sampled from ``works`` goes."""
     return tuple(dataclasses.replace(work, token_ids=(0,), start=work.start + 1) for work in works)
-
-
-def advanced(positions, slot_mapping, context_lens):
-    """The step inputs of the decode after a decode step whose sequences' next tokens all stay
-    in the blocks of their last (:func:`eligible`): positions int32[T], slot_mapping int32[T]
-    and context_lens int32[S] of the real rows one on (padding rows have slot -1 and context
-    0, and keep them). Traced, in :mod:`engine.programs`."""
-    real = slot_mapping >= 0
-    return (jnp.where(real, positions + 1, positions), jnp.where(real, slot_mapping + 1, -1),
-            jnp.where(context_lens > 0, context_lens + 1, 0))
 
 
 def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,

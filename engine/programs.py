@@ -18,7 +18,6 @@ import jax
 
 import models
 import pallas_paged
-from engine import lookahead
 
 
 def _replicated(x):
@@ -59,8 +58,13 @@ def _decode(config, params, input_ids, positions, metadata, kv_caches):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _advance(config, positions, slot_mapping, context_lens):
-    """A lookahead's inputs from the step before's (:func:`engine.lookahead.advanced`)."""
-    return lookahead.advanced(positions, slot_mapping, context_lens)
+    """The inputs of a lookahead (:mod:`engine.lookahead`), from those of the decode step before
+    it, whose sequences' next tokens all stay in the blocks of their last: positions int32[T],
+    slot_mapping int32[T] and context_lens int32[S] of the real rows one on (padding rows have
+    slot -1 and context 0, and keep them)."""
+    real = slot_mapping >= 0
+    return (jax.numpy.where(real, positions + 1, positions), jax.numpy.where(real, slot_mapping + 1, -1),
+            jax.numpy.where(context_lens > 0, context_lens + 1, 0))
 
 
 STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode, "advance": _advance}

@@ -132,6 +132,8 @@ def _committed(logits):
 
 
 def _sample(logits, rows: list[Row], batch: SamplingBatch) -> SamplerOutput:
+    """The sampler on the logits rows of ``rows`` (logits float32[L, vocab]), each picked into
+    the batch's row of the same index; the batch's padding rows read row 0."""
     logits = _committed(logits)
     picked = [row.logits_row for row in rows]
     size = batch.temperature.shape[0]
