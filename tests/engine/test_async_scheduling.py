@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from engine import LLM, SamplingParams
 from engine import lookahead
@@ -100,6 +101,35 @@ def test_arrivals_and_aborts_while_a_lookahead_runs(llms):
     ours = _drive(on, events)
     assert ours == _drive(off, events)
     assert ours["b"][0][2] == "length" and len(ours["a"][0][0]) < 40  # a's last output before its abort
+
+
+_PARAMS = st.builds(
+    SamplingParams,
+    n=st.sampled_from([1, 1, 2]),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    seed=st.integers(0, 9),
+    max_tokens=st.integers(4, 16),
+    min_tokens=st.sampled_from([0, 0, 4]),
+    presence_penalty=st.sampled_from([0.0, 0.0, 0.5]),
+    stop_token_ids=st.sampled_from([[], [], [7, 30, 99]]),
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(arrivals=st.lists(st.tuples(st.integers(0, 12), _PARAMS), min_size=1, max_size=4),
+       aborts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20)), max_size=2), seed=st.integers(0, 99))
+def test_any_arrivals_and_aborts_give_the_synchronous_outputs(llms, arrivals, aborts, seed):
+    """Requests of random kinds arriving at random steps, some aborted later: every request's
+    last output is the synchronous engine's."""
+    on, off, vocab = llms
+    batch = prompts(len(arrivals), vocab, seed=seed)
+    events: dict[int, list] = {}
+    for i, ((step, params), prompt) in enumerate(zip(arrivals, batch)):
+        events.setdefault(step, []).append(("add", f"r{i}", prompt, params))
+    for index, delay in aborts:
+        if index < len(arrivals):
+            events.setdefault(arrivals[index][0] + delay, []).append(("abort", f"r{index}"))
+    assert _drive(on, events) == _drive(off, events)
 
 
 def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
