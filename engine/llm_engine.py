@@ -29,8 +29,8 @@ from engine.outputs import RequestOutput, token_logprobs
 from engine.requests import RequestState, SeqProgress
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
-from engine.runner import ModelRunner, StepInputs
-from engine.sampler import SamplerOutput, SamplingBatch, prompt_logprobs
+from engine.runner import ModelRunner
+from engine.sampler import prompt_logprobs
 from engine.step_sampling import Row
 
 log = logging.getLogger(__name__)
@@ -102,32 +102,6 @@ class EngineCounters:
     lookahead_steps: int = 0  # steps whose work an earlier lookahead had computed
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launched:
-    """A step's sampling, dispatched: its rows, and the sampler's device arrays, in which row
-    ``rows[i]`` is ``sampler_rows[i]``; the model's inputs and the sampler's parameters (what
-    a lookahead after it starts from)."""
-
-    rows: tuple[Row, ...]
-    sampled: SamplerOutput
-    sampler_rows: tuple[int, ...]
-    inputs: StepInputs
-    batch: SamplingBatch
-
-    def taking(self, indices) -> _Launched:
-        """The rows at ``indices`` only."""
-        return dataclasses.replace(self, rows=tuple(self.rows[i] for i in indices),
-                                   sampler_rows=tuple(self.sampler_rows[i] for i in indices))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lookahead:
-    """A decode step dispatched before the scheduler decided it: its works (placeholder tokens)."""
-
-    works: tuple
-    launched: _Launched
-
-
 class LLMEngine:
     """Requests in, ``RequestOutput``s out, one batched model step at a time."""
 
@@ -165,7 +139,7 @@ class LLMEngine:
         self.state = sch.initial_state(self.scheduler_config)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
-        self._lookahead: _Lookahead | None = None
+        self._lookahead: lookahead.Lookahead | None = None
         self._async = config.async_scheduling and mesh is None  # not under a mesh: untested there
         self._seeds = np.random.default_rng(config.seed)
         # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
@@ -346,7 +320,7 @@ class LLMEngine:
             self.state = sch.initial_state(self.scheduler_config)
         log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
-    def _launch(self, works) -> _Launched | None:
+    def _launch(self, works) -> lookahead.Launched | None:
         """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
         which wait for the logits); None when nothing samples."""
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
@@ -361,9 +335,9 @@ class LLMEngine:
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
         sampled, batch = step_sampling.dispatch(logits, rows, pad_to=pad_to)
-        return _Launched(tuple(rows), sampled, tuple(range(len(rows))), inputs, batch)
+        return lookahead.Launched(tuple(rows), sampled, tuple(range(len(rows))), inputs, batch)
 
-    def _dispatch_lookahead(self, works, launched: _Launched) -> _Lookahead | None:
+    def _dispatch_lookahead(self, works, launched: lookahead.Launched) -> lookahead.Lookahead | None:
         """Dispatch the decode after ``works`` (see :func:`engine.lookahead.eligible`), its input
         tokens ``launched``'s samples on the device. None when those are not one per row in
         order (some sequences of the step before ended) or padded to another size, or the step
@@ -376,9 +350,10 @@ class LLMEngine:
         logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         sampled, batch = step_sampling.dispatch_next(logits, launched.batch)
         rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(launched.rows))
-        return _Lookahead(lookahead.next_works(works), _Launched(rows, sampled, launched.sampler_rows, inputs, batch))
+        following = lookahead.Launched(rows, sampled, launched.sampler_rows, inputs, batch)
+        return lookahead.Lookahead(lookahead.next_works(works), following)
 
-    def _record(self, launched: _Launched, touched) -> list:
+    def _record(self, launched: lookahead.Launched, touched) -> list:
         """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""
         sampled = step_sampling.fetch(launched.sampled, max(launched.sampler_rows) + 1)
         rows, picked = launched.rows, launched.sampler_rows

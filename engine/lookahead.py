@@ -23,8 +23,38 @@ import dataclasses
 from collections.abc import Sequence
 
 from engine.requests import RequestState
+from engine.runner import StepInputs
+from engine.sampler import SamplerOutput, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
+from engine.step_sampling import Row
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step's sampling, dispatched: its rows, and the sampler's device arrays, in which row
+    ``rows[i]`` is ``sampler_rows[i]``; the model's inputs and the sampler's parameters (what
+    a lookahead after it starts from)."""
+
+    rows: tuple[Row, ...]
+    sampled: SamplerOutput
+    sampler_rows: tuple[int, ...]
+    inputs: StepInputs
+    batch: SamplingBatch
+
+    def taking(self, indices) -> Launched:
+        """The rows at ``indices`` only."""
+        return dataclasses.replace(self, rows=tuple(self.rows[i] for i in indices),
+                                   sampler_rows=tuple(self.sampler_rows[i] for i in indices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookahead:
+    """A decode step dispatched before the scheduler decided it: its works (placeholder tokens),
+    and its sampling."""
+
+    works: tuple[ScheduledGroupWork, ...]
+    launched: Launched
 
 
 def _key(work: ScheduledGroupWork) -> tuple:

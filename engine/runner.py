@@ -169,8 +169,8 @@ class ModelRunner:
         when ``inputs`` is a decode step (not ``pick``) whose sequences' next tokens all stay
         in the blocks of their last."""
         metadata = inputs.metadata
-        positions, slots, context_lens = programs.call(
-            "advance", inputs.positions, metadata.slot_mapping, metadata.context_lens, config=self.config, mesh=self.mesh)
+        positions, slots, context_lens = programs.call("advance", inputs.positions, metadata.slot_mapping,
+                                                       metadata.context_lens, config=self.config, mesh=self.mesh)
         return inputs.replace(positions=positions,
                               metadata=metadata.replace(slot_mapping=slots, context_lens=context_lens))
 
