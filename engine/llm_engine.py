@@ -278,17 +278,16 @@ class LLMEngine:
                 if any(seq.token_ids for seq in request.seqs.values()) or request.first_token_time is not None:
                     log.warning("request %s stopped before its end: %s", request_id, reason)
         ahead, self._lookahead = self._lookahead, None
-        taken = None if ahead is None else lookahead.rows_taken(ahead.works, plan)
         blocks_moved = False
         try:
-            if taken is None:
+            if ahead is not None and lookahead.computed(ahead.works, plan):
+                blocks_moved = True
+                launched = ahead.launched
+                self.counters.lookahead_steps += 1
+            else:
                 self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
                 blocks_moved = True
                 launched = self._launch(plan.scheduled) if plan.scheduled else None
-            else:
-                blocks_moved = True
-                launched = ahead.launched.taking(taken)
-                self.counters.lookahead_steps += 1
             if launched is not None and self._async and \
                     lookahead.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
                 self._lookahead = self._dispatch_lookahead(plan.scheduled, launched)
@@ -335,42 +334,39 @@ class LLMEngine:
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
         sampled, batch = step_sampling.dispatch(logits, rows, pad_to=pad_to)
-        return lookahead.Launched(tuple(rows), sampled, tuple(range(len(rows))), inputs, batch)
+        return lookahead.Launched(tuple(rows), sampled, inputs, batch)
 
     def _dispatch_lookahead(self, works, launched: lookahead.Launched) -> lookahead.Lookahead | None:
         """Dispatch the decode after ``works`` (see :func:`engine.lookahead.eligible`), its input
-        tokens ``launched``'s samples on the device. None when those are not one per row in
-        order (some sequences of the step before ended) or padded to another size, or the step
-        picked its logits rows."""
+        tokens ``launched``'s samples on the device. None when the step picked its logits rows,
+        or padded its samples to another size."""
         tokens, inputs = launched.sampled.tokens, launched.inputs
-        if (launched.sampler_rows != tuple(range(len(works))) or inputs.pick
-                or tokens.shape != inputs.input_ids.shape):
+        if inputs.pick or tokens.shape != inputs.input_ids.shape:
             return None
         inputs = self.runner.advance(inputs).replace(input_ids=tokens)
         logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         sampled, batch = step_sampling.dispatch_next(logits, launched.batch)
         rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(launched.rows))
-        following = lookahead.Launched(rows, sampled, launched.sampler_rows, inputs, batch)
+        following = lookahead.Launched(rows, sampled, inputs, batch)
         return lookahead.Lookahead(lookahead.next_works(works), following)
 
     def _record(self, launched: lookahead.Launched, touched) -> list:
         """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""
-        sampled = step_sampling.fetch(launched.sampled, max(launched.sampler_rows) + 1)
-        rows, picked = launched.rows, launched.sampler_rows
+        rows = launched.rows
+        sampled = step_sampling.fetch(launched.sampled, len(rows))
         actions, next_child = [], self.state.next_seq_id
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
-            by_request.setdefault(row.request.request_id, []).append(picked[i])
-        row_at = dict(zip(picked, rows))
+            by_request.setdefault(row.request.request_id, []).append(i)
         for request_id, indices in by_request.items():
             request = self.requests[request_id]
             touched[request_id] = request
             if request.is_beam_search:
-                by_seq = {row_at[i].seq_id: i for i in indices}
+                by_seq = {rows[i].seq_id: i for i in indices}
                 new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
                 actions += new_actions
             else:
-                actions += self._sample_step(request, [row_at[i] for i in indices], indices, sampled)
+                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
         return actions
 
     def _logits_plan(self, works):

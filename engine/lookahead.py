@@ -5,16 +5,22 @@ schedule N+1, build its arrays and dispatch it, with the device idle all that ti
 quarter of a single-sequence step here). Instead, right after dispatching N, the engine
 dispatches a *lookahead* step N+1 whose input tokens are N's sampled tokens still on the
 device, then records N while N+1 runs. When the scheduler next decides, it normally decides
-exactly the lookahead's work (minus sequences that stopped at N), and the engine takes the
-lookahead's tokens instead of running the step again; otherwise the lookahead is dropped.
+exactly the lookahead's work, and the engine takes the lookahead's tokens instead of running
+the step again; otherwise the lookahead is dropped.
 
-A lookahead is only dispatched when it cannot disagree with the scheduler except by
-sequences ending: a decode-only step, nothing waiting or swapped out (no admissions), every
-next token's slot the one after its last token's, in the same block (no allocation, so no
-preemption or copy-on-write), and no sampling input that depends on the token still on the device
-(penalties, bad words, ``min_tokens`` still to reach) or on the host's choices (beam search).
-Dropping one is harmless: it wrote KV only one slot past each sequence's context, in a block
-the sequence alone wrote to at step N, where nothing reads before the slot is written again.
+A lookahead is only dispatched when it cannot disagree with the scheduler except by a
+sequence stopping at N (a stop token, EOS, an abort): a decode-only step, nothing waiting or
+swapped out (no admissions), no sequence at its length limit, every next token's slot the one
+after its last token's, in the same block (no allocation, so no preemption or copy-on-write),
+and no sampling input that depends on the token still on the device (penalties, bad words,
+``min_tokens`` still to reach) or on the host's choices (beam search). Dropping one is
+harmless: it wrote KV only one slot past each sequence's context, in a block the sequence
+alone wrote to at step N, where nothing reads before the slot is written again.
+
+A lookahead whose work lost some sequences is dropped, not taken in part: its rows of
+sequences that ended would go on into the next lookahead, writing KV past their freed blocks,
+and the smaller batch the scheduler planned computes its logits differently in the last bits
+(another program), so async scheduling would no longer give exactly the outputs without it.
 """
 
 from __future__ import annotations
@@ -32,20 +38,14 @@ from engine.step_sampling import Row
 
 @dataclasses.dataclass(frozen=True)
 class Launched:
-    """A step's sampling, dispatched: its rows, and the sampler's device arrays, in which row
-    ``rows[i]`` is ``sampler_rows[i]``; the model's inputs and the sampler's parameters (what
-    a lookahead after it starts from)."""
+    """A step's sampling, dispatched: its rows, and the sampler's device arrays (whose first
+    rows are ``rows``, in order); the model's inputs and the sampler's parameters (what a
+    lookahead after it starts from)."""
 
     rows: tuple[Row, ...]
     sampled: SamplerOutput
-    sampler_rows: tuple[int, ...]
     inputs: StepInputs
     batch: SamplingBatch
-
-    def taking(self, indices) -> Launched:
-        """The rows at ``indices`` only."""
-        return dataclasses.replace(self, rows=tuple(self.rows[i] for i in indices),
-                                   sampler_rows=tuple(self.sampler_rows[i] for i in indices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +74,14 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     the module's docstring); ``state`` is the scheduler's after this step's ``schedule``."""
     if state.waiting or state.swapped or not works:
         return False
-    continues = False
     for work in works:
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
                 or len(work.seq_ids) != 1 or not _sampling_is_static(request, work.seq_ids[0])
-                or not _next_slot_follows(work, block_size)):
+                or not _next_slot_follows(work, block_size)
+                or len(request.generated(work.seq_ids[0])) + 1 >= request.max_tokens):
             return False
-        continues |= len(request.generated(work.seq_ids[0])) + 1 < request.max_tokens
-    return continues  # not when every sequence ends at this step by its length
+    return True
 
 
 def _next_slot_follows(work: ScheduledGroupWork, block_size: int) -> bool:
@@ -104,12 +103,7 @@ def _sampling_is_static(request: RequestState, seq_id: int) -> bool:
     return len(request.generated(seq_id)) >= params.min_tokens
 
 
-def rows_taken(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> list[int] | None:
-    """For each work the scheduler planned, the index of the lookahead's work that computed it;
-    None unless the lookahead computed every one (and the plan moves no blocks)."""
-    if (not plan.scheduled or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy
-            or plan.preempted):
-        return None
-    index = {_key(work): i for i, work in enumerate(lookahead_works)}
-    taken = [index.get(_key(work)) for work in plan.scheduled]
-    return None if None in taken else taken
+def computed(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> bool:
+    """Whether the lookahead of ``lookahead_works`` computed exactly the step ``plan`` plans."""
+    return (not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted)
+            and [_key(work) for work in plan.scheduled] == [_key(work) for work in lookahead_works])

@@ -103,6 +103,19 @@ def test_arrivals_and_aborts_while_a_lookahead_runs(llms):
     assert ours["b"][0][2] == "length" and len(ours["a"][0][0]) < 40  # a's last output before its abort
 
 
+def test_a_sequence_that_ends_beside_one_that_goes_on(tmp_path):
+    """A short request ends while a long one decodes from lookaheads: no lookahead may keep
+    the short one's row going, since (in a fresh engine) its next slots are in the block the
+    long one takes next."""
+    on, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    off = LLM(str(tmp_path), **{**ENGINE, "async_scheduling": False})
+    short, long = prompts(2, hf.config.vocab_size, seed=58)  # 1 and 60 tokens: blocks 8 and 0-7, 9, ...
+    events = {0: [("add", "long", long, SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True))],
+              2: [("add", "short", short, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]}
+    assert _drive(on, events) == _drive(off, events)
+    assert on.engine.counters.lookahead_steps >= 10  # of the long one's 19 decodes
+
+
 _PARAMS = st.builds(
     SamplingParams,
     n=st.sampled_from([1, 1, 2]),
