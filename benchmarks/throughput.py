@@ -92,8 +92,9 @@ def single_sequence(llm: LLM, synchronous: LLM, prompt, max_tokens: int, rounds:
     """One sequence against the memory-bandwidth bound, with and without async scheduling:
     each round measures the bandwidth, then both engines (alternating), so that each ratio
     divides numbers taken under the same load (readings of the bandwidth on this shared
-    machine ranged from 13 to 45 GB/s within one day). Rows: engine, weights MiB, median
-    bandwidth, median bound, median rates (overall, after the first token), median ratio."""
+    machine ranged from 13 to 45 GB/s within one day, and one process's ratios from 0.57 to
+    0.85 within minutes). Rows: engine, weights MiB, median bandwidth, median bound, median
+    rates (overall, after the first token), median ratio, and the lowest and highest ratio."""
     samples = {"on": [], "off": []}
     for _ in range(rounds):
         bandwidth = memory_bandwidth()
@@ -102,7 +103,8 @@ def single_sequence(llm: LLM, synchronous: LLM, prompt, max_tokens: int, rounds:
             bound = bandwidth / weight_bytes(engine)
             samples[key].append((bandwidth / 1e9, bound, overall, decoding, decoding / bound))
     median = lambda values: float(np.median(values))  # noqa: E731
-    return [[key, weight_bytes(llm) / 2**20, *(median(column) for column in zip(*samples[key]))]
+    return [[key, weight_bytes(llm) / 2**20, *(median(column) for column in zip(*samples[key])),
+             f"{min(s[-1] for s in samples[key]):.2f}-{max(s[-1] for s in samples[key]):.2f}"]
             for key in ("on", "off")]
 
 
@@ -130,7 +132,8 @@ def chat(args) -> None:
         gc.collect()
         synchronous = LLM(dtype=dtype, max_num_seqs=max(args.requests, 8), max_model_len=1024, async_scheduling=False)
         engine_run(synchronous, prompts[:2], [4, 4])
-        for scheduling, *numbers in single_sequence(llm, synchronous, prompts[0], args.max_tokens, args.rounds):
+        for scheduling, *numbers in single_sequence(llm, synchronous, prompts[0], args.max_tokens,
+                                                             args.single_rounds):
             bound_rows.append([dtype, f"async {scheduling}", *numbers])
         del llm, synchronous
         gc.collect()
@@ -139,14 +142,15 @@ def chat(args) -> None:
     table = print_table(["system", "tokens", "seconds", "tokens/s", "vs HF same dtype"], rows)
     table += f"\n\nMedian of {args.rounds} rounds per system, alternating HF and this engine."
     bounds = print_table(["dtype", "scheduling", "weights MiB", "bandwidth GB/s", "bound tokens/s",
-                          "1 sequence tokens/s", "after the first token", "vs bound"], bound_rows)
+                          "1 sequence tokens/s", "after the first token", "vs bound", "range"], bound_rows)
     products = print_table(["products", "weight bytes", "ms", "GB/s"], [
         *matvec("float32"), *(matvec("float32", packed=True) if pallas_paged.packing_enabled() else []),
         *matvec("bfloat16"), *(matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else [])])
-    save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound ({args.rounds} rounds, "
+    save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound ({args.single_rounds} rounds, "
               "each measuring the bandwidth and then decoding with async scheduling on and off; medians, "
               "'vs bound' the median of each round's ratio of the rate after the first token, without the "
-              f"prompt phase, to that round's bound):\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
+              "prompt phase, to that round's bound, and 'range' the lowest and highest of those ratios):"
+              f"\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
               f"{products}", "throughput_chat")
 
 
@@ -193,6 +197,8 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=110)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="chat: alternating rounds per system (median)")
+    parser.add_argument("--single-rounds", type=int, default=7,
+                        help="chat: rounds of the single-sequence decode against the bound (median)")
     parser.add_argument("--quick", action="store_true", help="traces: a few short requests, a small KV cache")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="traces: weights' dtype")
     args = parser.parse_args()
