@@ -9,7 +9,8 @@
 Both are compiled with the machine's C++ compiler (``CXX``, else ``g++``) against jaxlib's FFI
 headers into the cache directory (``$PALLAS_PAGED_CACHE_DIR/native``, default
 ``~/.cache/pallas-paged/native``), keyed by the source, the flags, the compiler, jaxlib's
-version and the CPU, so later processes only load it. With caching off
+version and the CPU, so later processes only load it; a build deletes all but the newest few
+there. With caching off
 (``PALLAS_PAGED_CACHE_DIR`` empty) each process builds its own copy in a private
 temporary directory.
 """
@@ -42,6 +43,7 @@ TARGET = "pallas_paged_ragged_attention"
 MATMUL_TARGET = "pallas_paged_matmul"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno")  # then linked -shared
 BUILD_TIMEOUT_SECONDS = 300
+KEPT_BUILDS = 4  # in the cache directory, newest first (see _prune)
 _lock = threading.Lock()
 
 
@@ -111,6 +113,21 @@ def _build(path: pathlib.Path, compiler: list[str]) -> None:
         _run([*compiler, "-shared", *map(str, objects), "-o", str(partial)], f"{shlex.join(compiler)} failed to link "
              "the native CPU kernels")
         os.replace(partial, path)  # atomic: concurrent builders each publish a whole file
+    _prune(path.parent, keep=KEPT_BUILDS)
+
+
+def _prune(directory: pathlib.Path, *, keep: int) -> None:
+    """Delete all but the ``keep`` newest builds in ``directory``: each change of source,
+    compiler, jaxlib or CPU adds one (about 300 KB). A process that has an older one loaded
+    keeps it (the file stays mapped); one that starts and wants it builds it again."""
+    builds = []
+    for build in directory.glob("kernels-*.so"):
+        try:
+            builds.append((build.stat().st_mtime, build))
+        except FileNotFoundError:  # another process pruned it meanwhile
+            continue
+    for _, stale in sorted(builds, reverse=True)[keep:]:
+        stale.unlink(missing_ok=True)
 
 
 _library: ctypes.CDLL | None = None
