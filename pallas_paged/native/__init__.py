@@ -10,9 +10,8 @@ Both are compiled with the machine's C++ compiler (``CXX``, else ``g++``) agains
 headers into the cache directory (``$PALLAS_PAGED_CACHE_DIR/native``, default
 ``~/.cache/pallas-paged/native``), keyed by the source, the flags, the compiler, jaxlib's
 version and the CPU, so later processes only load it; a build deletes all but the newest few
-there. With caching off
-(``PALLAS_PAGED_CACHE_DIR`` empty) each process builds its own copy in a private
-temporary directory.
+there. With caching off (``PALLAS_PAGED_CACHE_DIR`` empty) each process builds its own copy
+in a private temporary directory.
 """
 
 from __future__ import annotations
