@@ -132,9 +132,8 @@ def chat(args) -> None:
         gc.collect()
         synchronous = LLM(dtype=dtype, max_num_seqs=max(args.requests, 8), max_model_len=1024, async_scheduling=False)
         engine_run(synchronous, prompts[:2], [4, 4])
-        for scheduling, *numbers in single_sequence(llm, synchronous, prompts[0], args.max_tokens,
-                                                             args.single_rounds):
-            bound_rows.append([dtype, f"async {scheduling}", *numbers])
+        single = single_sequence(llm, synchronous, prompts[0], args.max_tokens, args.single_rounds)
+        bound_rows += [[dtype, f"async {scheduling}", *numbers] for scheduling, *numbers in single]
         del llm, synchronous
         gc.collect()
     rows.append(["best pallas-paged vs HF bf16", "", "", "", max(r[3] for r in rows if "paged" in r[0])
