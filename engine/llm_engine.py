@@ -21,7 +21,7 @@ import numpy as np
 import models
 import pallas_paged
 from models import gguf_cache
-from engine import beam_search, lookahead, parallel, step_sampling
+from engine import beam_search, huge_pages, lookahead, parallel, step_sampling
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
@@ -125,6 +125,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
+        self._huge_pages = huge_pages.start(self.runner.params)  # meanwhile, the warm-up compiles
         loaded = time.monotonic()
         self._sampler_sizes = frozenset(self.runner.logits_sizes())
         # Sampler programs left for idle time (:meth:`warm_up_when_idle`), smallest batch first.

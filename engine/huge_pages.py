@@ -1,0 +1,92 @@
+"""Back the model's weights with 2 MiB pages on Linux CPUs.
+
+A decode step of a few sequences streams every weight from memory once, and on this machine
+it streams faster from huge pages. Side by side, SmolLM2's decode program in bfloat16 took
+3-6% less time with its weights collapsed into them (9.73 against 10.32 ms, 9.22 against
+9.56, 9.47 against 9.74). In the engine, one sequence decoded at 0.79-0.86 of the
+memory-bandwidth bound against 0.72-0.75 without, in three alternating runs, with the bound
+measured on huge pages too. XLA's CPU allocator never asks for them (numpy does, for its
+large arrays), and where transparent huge pages are ``madvise`` (the common default) memory
+only gets them by asking.
+
+So :func:`start` asks, on a thread of its own: ``madvise(MADV_HUGEPAGE)`` on each 2 MiB
+region a weight buffer touches, then ``MADV_COLLAPSE`` (Linux 6.1 or later) to move the
+pages there now rather than when ``khugepaged`` gets round to it. Both keep the contents;
+collapsing 270 MB took 0.8 s of one core. Elsewhere (not Linux, not a CPU, transparent huge
+pages ``never``, ``PALLAS_PAGED_HUGE_PAGES=0``) it does nothing. Edges of a region beyond a
+buffer may be another array's memory: that memory gets huge pages too, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pathlib
+import sys
+import threading
+import time
+
+import jax
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+_THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def enabled() -> bool:
+    """Whether weights get huge pages here: Linux, the CPU backend, transparent huge pages not
+    ``never``, and ``PALLAS_PAGED_HUGE_PAGES`` not ``0``."""
+    if os.environ.get("PALLAS_PAGED_HUGE_PAGES", "1") == "0":
+        return False
+    if not sys.platform.startswith("linux") or jax.default_backend() != "cpu":
+        return False
+    try:
+        return "[never]" not in _THP_SETTING.read_text()
+    except OSError:
+        return False
+
+
+def regions(arrays) -> list[int]:
+    """Start addresses of the 2 MiB regions the CPU buffers of ``arrays`` (every shard of
+    each) overlap, in order."""
+    starts = set()
+    for array in arrays:
+        for shard in array.addressable_shards:
+            address, size = shard.data.unsafe_buffer_pointer(), shard.data.nbytes
+            if size:
+                starts.update(range(address // HUGE_PAGE * HUGE_PAGE, address + size, HUGE_PAGE))
+    return sorted(starts)
+
+
+def back_with_huge_pages(arrays) -> int:
+    """Ask Linux for 2 MiB pages under ``arrays`` (see the module docstring); returns how many
+    regions were collapsed into them. Call only where :func:`enabled`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    collapsed = 0
+    for start in regions(arrays):
+        libc.madvise(start, HUGE_PAGE, _MADV_HUGEPAGE)
+        collapsed += libc.madvise(start, HUGE_PAGE, _MADV_COLLAPSE) == 0
+    return collapsed
+
+
+def start(params) -> threading.Thread | None:
+    """Back the leaves of ``params`` with huge pages on a daemon thread (the calls release the
+    GIL, so start-up goes on meanwhile); None where not :func:`enabled`."""
+    if not enabled():
+        return None
+    arrays = jax.tree.leaves(params)
+
+    def run():
+        begin = time.monotonic()
+        collapsed = back_with_huge_pages(arrays)
+        log.info("weights: %d regions of 2 MiB collapsed into huge pages in %.1f s", collapsed,
+                 time.monotonic() - begin)
+
+    thread = threading.Thread(target=run, name="pallas-paged-huge-pages", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,59 @@
+"""The engine's weights on 2 MiB pages (engine.huge_pages)."""
+
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import SamplingParams, huge_pages
+from tests.engine.tiny import tiny_llm
+
+
+def _anon_huge_bytes() -> int:
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return int(re.search(r"AnonHugePages:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def test_regions_cover_every_byte_of_every_buffer():
+    arrays = [jnp.arange(n, dtype=jnp.float32) for n in (1, 1000, 3 << 20)]
+    starts = huge_pages.regions(arrays)
+    assert starts == sorted(set(starts)) and all(start % huge_pages.HUGE_PAGE == 0 for start in starts)
+    for array in arrays:
+        first, end = array.unsafe_buffer_pointer(), array.unsafe_buffer_pointer() + array.nbytes
+        covered = [start for start in starts if start < end and start + huge_pages.HUGE_PAGE > first]
+        assert covered[0] <= first and covered[-1] + huge_pages.HUGE_PAGE >= end
+        assert all(b - a == huge_pages.HUGE_PAGE for a, b in zip(covered, covered[1:]))
+
+
+@pytest.mark.skipif(not huge_pages.enabled(), reason="needs Linux with transparent huge pages on a CPU")
+def test_collapsing_keeps_the_values_and_gives_huge_pages():
+    values = np.random.default_rng(0).standard_normal(16 << 20).astype(np.float32)  # 64 MiB
+    array = jnp.asarray(values)
+    before = _anon_huge_bytes()
+    collapsed = huge_pages.back_with_huge_pages([array])
+    np.testing.assert_array_equal(np.asarray(array), values)
+    if tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2]) >= (6, 1):  # MADV_COLLAPSE
+        assert collapsed >= 30  # of the 32 or 33 regions the 64 MiB overlap
+        assert _anon_huge_bytes() - before >= 30 * huge_pages.HUGE_PAGE
+
+
+def test_the_engine_backs_its_weights_and_still_generates_the_same_tokens(monkeypatch, tmp_path):
+    """With and without huge pages (``PALLAS_PAGED_HUGE_PAGES=0``), greedy decoding gives the
+    same tokens."""
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PALLAS_PAGED_HUGE_PAGES", setting)
+        llm, _ = tiny_llm("llama_gqa_tied", tmp_path / setting)
+        thread = llm.engine._huge_pages
+        assert (thread is not None) == (setting == "1" and huge_pages.enabled())
+        if thread is not None:
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outputs[setting] = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4], [5, 6]], params, use_tqdm=False)]
+    assert outputs["1"] == outputs["0"]
