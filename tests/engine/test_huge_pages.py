@@ -14,9 +14,16 @@ from engine import SamplingParams, huge_pages
 from tests.engine.tiny import tiny_llm
 
 
-def _anon_huge_bytes() -> int:
-    text = Path("/proc/self/smaps_rollup").read_text()
-    return int(re.search(r"AnonHugePages:\s+(\d+) kB", text).group(1)) * 1024
+def _huge_bytes_of_mapping(address: int) -> int:
+    """AnonHugePages of the memory mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if bounds:
+            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_regions_cover_every_byte_of_every_buffer():
@@ -34,12 +41,11 @@ def test_regions_cover_every_byte_of_every_buffer():
 def test_collapsing_keeps_the_values_and_gives_huge_pages():
     values = np.random.default_rng(0).standard_normal(16 << 20).astype(np.float32)  # 64 MiB
     array = jnp.asarray(values)
-    before = _anon_huge_bytes()
     collapsed = huge_pages.back_with_huge_pages([array])
     np.testing.assert_array_equal(np.asarray(array), values)
     if tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2]) >= (6, 1):  # MADV_COLLAPSE
         assert collapsed >= 30  # of the 32 or 33 regions the 64 MiB overlap
-        assert _anon_huge_bytes() - before >= 30 * huge_pages.HUGE_PAGE
+        assert _huge_bytes_of_mapping(array.unsafe_buffer_pointer()) >= 30 * huge_pages.HUGE_PAGE
 
 
 def test_the_engine_backs_its_weights_and_still_generates_the_same_tokens(monkeypatch, tmp_path):
