@@ -16,11 +16,12 @@
 // one VDPBF16PS lane reduces, low half first. float32: x [M, K]; w_j float32 [P_j, K,
 // kPanel], one FMA per step. out_j float32 [M, P_j*kPanel].
 //
-// Work items are panels of every weight (and, when there are few panels, groups of rows
-// too), claimed by the caller and XLA's intra-op threads from a shared counter. The kernel
-// keeps a tile of kRows x kPanel float32 sums in registers and streams its panel once per
-// tile; when a panel takes several tiles, it requests the lines of the panel it will likely
-// take next (Ahead) along the way.
+// Work items are panels of every weight: with many rows, every panel of one block of rows,
+// then of the next; with few rows and few panels, groups of rows of each panel. The caller
+// and XLA's intra-op threads claim them from a shared counter. The kernel keeps a tile of
+// kRows x kPanel float32 sums in registers and streams its panel once per tile; when a panel
+// takes several tiles, it requests the lines of the panel it will likely take next (Ahead)
+// along the way.
 
 #include <algorithm>
 #include <atomic>
@@ -119,21 +120,30 @@ void rows(const Product& p, const Panel& panel, int64_t first, int64_t last, con
   }
 }
 
+// Many rows: blocks of rows of about this many bytes of x, each staying in a worker's L2
+// while the workers take its panels in turn. Streaming all of x from L3 for every panel
+// instead, and splitting 9 or 15 panels between two workers, cost 5-10% at 1760 rows.
+constexpr int64_t kBlockBytes = 256 << 10;
+
 struct Shared {
   Product p;
   int64_t row_groups, rows_per_group, total;
+  bool by_block;  // item i: row group i / panels and panel i % panels; else group i % row_groups, panel i / row_groups
   std::atomic<int64_t> next{0}, done{0};
+
+  int64_t group(int64_t i) const { return by_block ? i / int64_t(p.panels.size()) : i % row_groups; }
+  int64_t panel(int64_t i) const { return by_block ? i % int64_t(p.panels.size()) : i / row_groups; }
 };
 
 void run_items(Shared& shared, int64_t workers) {
   const Product& p = shared.p;
   for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
-    const int64_t first = (i % shared.row_groups) * shared.rows_per_group, panel = i / shared.row_groups;
+    const int64_t first = shared.group(i) * shared.rows_per_group, panel = shared.panel(i);
     // The item a worker likely claims next is `workers` on; fetch its panel if it is another
     // and this one takes more than one pass (a tile of rows each). With a single pass there is
     // no arithmetic to hide the fetch behind, and it only competes with the panel's own lines:
     // one row's products took about 6% longer with it (median of eight side-by-side runs; -1% to +15%).
-    const int64_t next = (i + workers) / shared.row_groups;
+    const int64_t next = shared.panel(i + workers);
     const bool fetch = i + workers < shared.total && next != panel && shared.rows_per_group > kRows;
     rows(p, p.panels[panel], first, std::min(p.m, first + shared.rows_per_group), fetch ? &p.panels[next] : nullptr);
     shared.done.fetch_add(1, std::memory_order_release);
@@ -145,11 +155,17 @@ void run(Product p, ffi::ThreadPool& pool) {
   auto shared = std::make_shared<Shared>();
   const int64_t panels = int64_t(p.panels.size());
   shared->p = std::move(p);
-  // Few panels (a narrow product): split the rows too, in whole register tiles, so every
-  // worker has about four items.
   const int64_t tiles = (shared->p.m + kRows - 1) / kRows;
-  const int64_t groups = std::clamp<int64_t>((4 * workers + panels - 1) / panels, 1, tiles);
-  shared->rows_per_group = (tiles + groups - 1) / groups * kRows;
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / (shared->p.steps * 4) / kRows) * kRows;
+  shared->by_block = shared->p.m > 2 * block;
+  if (shared->by_block) {
+    shared->rows_per_group = block;
+  } else {
+    // Few panels (a narrow product): split the rows too, in whole register tiles, so every
+    // worker has about four items.
+    const int64_t groups = std::clamp<int64_t>((4 * workers + panels - 1) / panels, 1, tiles);
+    shared->rows_per_group = (tiles + groups - 1) / groups * kRows;
+  }
   shared->row_groups = (shared->p.m + shared->rows_per_group - 1) / shared->rows_per_group;
   shared->total = panels * shared->row_groups;
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->total - 1);

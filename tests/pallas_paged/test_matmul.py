@@ -18,6 +18,8 @@ SHAPES = [  # (M, K, N): the kernel's code paths
     pytest.param(2, 576, 192, id="narrow-splits-rows"),
     pytest.param(13, 40, 64, id="partial-tile-one-panel"),
     pytest.param(70, 1536, 576, id="many-rows"),
+    pytest.param(200, 1536, 128, id="blocks-of-rows"),
+    pytest.param(301, 576, 192, id="blocks-of-rows-partial-tile"),
     pytest.param(3, 2, 128, id="one-pair"),
 ]
 
@@ -46,7 +48,7 @@ def test_float32_packs_any_depth():
     np.testing.assert_allclose(got, jnp.dot(x, w, precision="highest"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 32])
+@pytest.mark.parametrize("m", [1, 32, 250])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_several_weights_in_one_call_match_a_call_each(m, dtype):
     """A layer's Q, K, V (576, 192, 192 columns) in one native call; an unpacked weight among
