@@ -87,7 +87,7 @@ def _load_model(model: str | None, dtype: str, *, tensor_parallel_size: int) -> 
     if shared is None:
         loaded = loaded or models.load_model(path, dtype=dtype)
         if packed:
-            loaded = loaded._replace(params=models.packed_for_cpu(loaded.params))
+            loaded = loaded._replace(params=models.packed_for_cpu(loaded.params, consume=True))
         shared = _shared_models[key] = _SharedModel(loaded)
     return shared
 

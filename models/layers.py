@@ -46,23 +46,30 @@ def linears(x, ps) -> list:
     return [y + p["b"].astype(jnp.float32) if "b" in p else y for y, p in zip(ys, ps)]
 
 
-def packed_for_cpu(params):
+def packed_for_cpu(params, *, consume: bool = False):
     """``params`` with every linear weight :func:`pallas_paged.packable` packed for the native
     CPU product, and a tied embedding given a packed copy of itself as the head
     (``"lm_head"``: for SmolLM2, 57 MB more in bfloat16, 113 MB in float32); the same params
-    where nothing packs."""
+    where nothing packs.
+
+    ``consume``: pack in ``params``' own dicts and lists, and return them. A weight's last
+    reference then goes as soon as its packed copy exists, so loading peaks at about one
+    weight over the model's size instead of twice it (float32 SmolLM2: 1.2 GB instead of
+    1.6 GB); the caller must hold no other reference to the tree or its weights."""
     def visit(node):
         if isinstance(node, list):
-            return [visit(child) for child in node]
-        if not isinstance(node, dict):
-            return node
-        node = {key: visit(child) for key, child in node.items()}
-        if not isinstance(node.get("w", {}), dict) and pallas_paged.packable(node["w"]):
-            node["w"] = pallas_paged.pack(node["w"])
+            node = node if consume else list(node)
+            node[:] = [visit(child) for child in node]
+        elif isinstance(node, dict):
+            node = node if consume else dict(node)
+            for key in list(node):
+                node[key] = visit(node[key])
+            if not isinstance(node.get("w", {}), dict) and pallas_paged.packable(node["w"]):
+                node["w"] = pallas_paged.pack(node["w"])
         return node
     packed = visit(params)
-    if "lm_head" not in packed and pallas_paged.packable(params["embed"].T):
-        packed["lm_head"] = {"w": pallas_paged.pack(params["embed"].T)}
+    if "lm_head" not in packed and pallas_paged.packable(packed["embed"].T):
+        packed["lm_head"] = {"w": pallas_paged.pack(packed["embed"].T)}
     return packed
 
 

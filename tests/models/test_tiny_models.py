@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import models
+import pallas_paged
 from models.config import HF_MODEL_TYPES
 from paged_batch import PagedModel
 from tiny_models import TINY_CONFIGS, build_hf_model, hf_greedy_logits
@@ -55,3 +59,40 @@ def test_bfloat16_smoke(tmp_path):
     for (_, want), logits in zip(refs, got):
         assert logits.dtype == np.float32
         np.testing.assert_allclose(logits, want, atol=0.1, rtol=0)
+
+
+@pytest.mark.skipif(not pallas_paged.packing_enabled(), reason="weights do not pack on this machine")
+def test_packing_frees_each_weight_only_when_asked_to_consume(tmp_path):
+    """The engine packs the tree it loaded with ``consume=True``, so each weight is freed once
+    its packed copy exists (loading then peaks near the model's size, not twice it); without
+    it, the caller's tree is left as it was."""
+    build_hf_model("llama_gqa_tied", tmp_path)
+    _, params, _ = models.load_model(tmp_path)
+    packable = lambda tree: [node for layer in tree["layers"] for node in _linears(layer)  # noqa: E731
+                             if node["w"].ndim == 3 or pallas_paged.packable(node["w"])]
+    weights = [node["w"] for node in packable(params)]
+    assert weights and not any(pallas_paged.is_packed(w) for w in weights)
+
+    kept = models.packed_for_cpu(params)
+    assert [node["w"] for node in packable(params)] == weights
+    assert all(pallas_paged.is_packed(node["w"]) for node in packable(kept))
+    assert pallas_paged.is_packed(kept["lm_head"]["w"]) and "lm_head" not in params
+
+    freed = [weakref.ref(w) for w in weights]
+    del weights, kept
+    consumed = models.packed_for_cpu(params, consume=True)
+    assert consumed is params and pallas_paged.is_packed(params["lm_head"]["w"])
+    assert len(packable(params)) == len(freed) and all(pallas_paged.is_packed(node["w"]) for node in packable(params))
+    gc.collect()
+    assert all(ref() is None for ref in freed)
+
+
+def _linears(layer) -> list[dict]:
+    """A layer's linear weights' dicts ({"w": ...}), however deep they sit."""
+    found = []
+    for value in layer.values():
+        if isinstance(value, dict) and "w" in value:
+            found.append(value)
+        elif isinstance(value, dict):
+            found += _linears(value)
+    return found
