@@ -152,8 +152,10 @@ def attention(config: ModelConfig, p, x, metadata, kv_cache, rope=None):
 
 def gated_mlp(p, x):
     """SwiGLU MLP. x: [T, hidden]; p: {"gate", "up", "down"} linears → [T, hidden]."""
-    gate, up = linears(x, [p["gate"], p["up"]])
-    return linear(jax.nn.silu(gate) * up, p["down"])
+    if "b" in p["gate"] or "b" in p["up"]:
+        gate, up = linears(x, [p["gate"], p["up"]])
+        return linear(jax.nn.silu(gate) * up, p["down"])
+    return linear(pallas_paged.gated_matmul(x, p["gate"]["w"], p["up"]["w"]), p["down"])
 
 
 def logits(params, h):

@@ -21,7 +21,7 @@ import jax
 from pallas_paged import decode, decode_tpu, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
-from pallas_paged.matmul import is_packed, matmul, matmuls, pack, packable, packing_enabled
+from pallas_paged.matmul import gated_matmul, is_packed, matmul, matmuls, pack, packable, packing_enabled
 from pallas_paged.xla_options import compiler_options
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "compiler_options",
     "copy_blocks",
     "is_packed",
+    "gated_matmul",
     "matmul",
     "matmuls",
     "pack",

@@ -91,3 +91,16 @@ def matmuls(x, ws) -> list:
         return [matmul(x, w) for w in ws]
     rows = x.astype(_input_dtype(ws[0])).reshape(-1, x.shape[-1])
     return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in native.matmul(rows, *ws)]
+
+
+def gated_matmul(x, gate, up):
+    """SwiGLU's ``silu(x @ gate) * (x @ up)``: x: [..., K], gate and up [K, N] or packed →
+    float32 [..., N]. Packed alike, one native call does both products and the gating, so the
+    two [.., N] products never reach memory (XLA's gating fusion alone took 2.4 ms a layer on a
+    1760-token prefill here)."""
+    if not (is_packed(gate) and is_packed(up) and gate.dtype == up.dtype and gate.shape == up.shape):
+        g, u = matmuls(x, [gate, up])
+        return jax.nn.silu(g) * u
+    rows = x.astype(_input_dtype(gate)).reshape(-1, x.shape[-1])
+    out = native.gated_matmul(rows, gate, up)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

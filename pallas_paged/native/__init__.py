@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_attention.cc", "matmul.cc"))
 TARGET = "pallas_paged_ragged_attention"
 MATMUL_TARGET = "pallas_paged_matmul"
+GATED_MATMUL_TARGET = "pallas_paged_gated_matmul"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno")  # then linked -shared
 BUILD_TIMEOUT_SECONDS = 300
 KEPT_BUILDS = 4  # in the cache directory, newest first (see _prune)
@@ -144,6 +145,8 @@ def load() -> ctypes.CDLL:
             library = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedRaggedAttention), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedMatmul), platform="cpu")
+            jax.ffi.register_ffi_target(GATED_MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedGatedMatmul),
+                                        platform="cpu")
             _library = library
         return _library
 
@@ -188,6 +191,14 @@ def matmul(x, *panels):
     load()
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * w.shape[2]), np.float32) for w in panels]
     return tuple(jax.ffi.ffi_call(MATMUL_TARGET, shapes, vmap_method="sequential")(x, *panels))
+
+
+def gated_matmul(x, gate, up):
+    """silu(x @ gate) * (x @ up), float32 [M, N], for x: [M, K] and gate and up packed alike
+    (as :func:`matmul` takes them, [N/64, ...]), in a single call. Check :func:`matmul_available` first."""
+    load()
+    shape = jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * gate.shape[2]), np.float32)
+    return jax.ffi.ffi_call(GATED_MATMUL_TARGET, (shape,), vmap_method="sequential")(x, gate, up)[0]
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):

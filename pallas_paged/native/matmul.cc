@@ -16,6 +16,11 @@
 // one VDPBF16PS lane reduces, low half first. float32: x [M, K]; w_j float32 [P_j, K,
 // kPanel], one FMA per step. out_j float32 [M, P_j*kPanel].
 //
+// A gated product (SwiGLU's) takes a gate and an up weight of one shape and returns one
+// [M, N]: silu(x @ gate) * (x @ up). Each tile keeps its gate sums in L1 while its up sums
+// accumulate, so neither product reaches memory: XLA's separate gating took 2.4 ms a layer
+// on a 1760-row prefill, and the two products' [M, N] results cost their writes.
+//
 // Work items are panels of every weight: with many rows, every panel of one block of rows,
 // then of the next; with few rows and few panels, groups of rows of each panel. The caller
 // and XLA's intra-op threads claim them from a shared counter. The kernel keeps a tile of
@@ -45,9 +50,10 @@ constexpr int kPanel = 64;  // outputs per panel: four 16-lane registers
 
 // One panel of one weight, and where its columns go.
 struct Panel {
-  const uint32_t* w;  // [steps, kPanel]
-  float* out;         // the panel's first column of row 0 of its weight's [M, n] output
-  int64_t n;          // that output's row stride
+  const uint32_t* w;             // [steps, kPanel]
+  float* out;                    // the panel's first column of row 0 of its weight's [M, n] output
+  int64_t n;                     // that output's row stride
+  const uint32_t* up = nullptr;  // a gated product's up panel of the same columns: out = silu(x @ w) * (x @ up)
 };
 
 struct Product {
@@ -69,14 +75,12 @@ struct Ahead {
   int64_t count = 0, per_step = 0;
 };
 
-// out[row : row + R, panel's columns] = x[row : row + R] @ panel.
+// sum = x[row : row + R] @ w, for w one panel's [steps, kPanel].
 template <int R, bool kF32>
-void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead) {
-  __m512 sum[R][4];
+inline void accumulate(const Product& p, const uint32_t* w, int64_t row, Ahead ahead, __m512 (&sum)[R][4]) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_setzero_ps();
   const uint32_t* x = p.x + row * p.steps;
-  const uint32_t* w = panel.w;
   for (int64_t s = 0; s < p.steps; ++s) {
     for (int64_t line = s * ahead.per_step; line < std::min(ahead.count, (s + 1) * ahead.per_step); ++line)
       _mm_prefetch(ahead.lines + 64 * line, _MM_HINT_T1);
@@ -96,6 +100,37 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead) {
       }
     }
   }
+}
+
+// x * sigmoid(x) = x / (1 + exp(-x)), with exp from Cephes' polynomial (about 2 ulp) and -x
+// clamped to 88, where exp stays finite and the result is already 0 to float32.
+inline __m512 silu(__m512 x) {
+  const __m512 t = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+  poly = _mm512_fmadd_ps(_mm512_mul_ps(poly, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_mul_ps(x, _mm512_div_ps(one, _mm512_add_ps(one, _mm512_scalef_ps(poly, n))));
+}
+
+// out[row : row + R, panel's columns] = x[row : row + R] @ panel, or for a gated panel
+// silu(x @ panel) * (x @ up), the gate's sums kept in L1 while the up panel's accumulate.
+template <int R, bool kF32>
+void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead, Ahead up_ahead) {
+  __m512 sum[R][4];
+  accumulate<R, kF32>(p, panel.w, row, ahead, sum);
+  if (panel.up) {
+    alignas(64) float gate[R][kPanel];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(gate[r] + 16 * j, sum[r][j]);
+    accumulate<R, kF32>(p, panel.up, row, up_ahead, sum);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_mul_ps(silu(_mm512_load_ps(gate[r] + 16 * j)), sum[r][j]);
+  }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(panel.out + (row + r) * panel.n + 16 * j, sum[r][j]);
 }
@@ -105,17 +140,19 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead) {
 void rows(const Product& p, const Panel& panel, int64_t first, int64_t last, const Panel* next) {
   const int64_t tiles = (last - first + kRows - 1) / kRows, lines = next ? p.steps * kPanel * 4 / 64 : 0;
   const int64_t per_tile = (lines + tiles - 1) / tiles;
-  const char* start = next ? reinterpret_cast<const char*>(next->w) : nullptr;
   for (int64_t t = 0, row = first; row < last; ++t, row += kRows) {
     const int64_t begin = std::min(lines, t * per_tile), count = std::min(lines, begin + per_tile) - begin;
-    const Ahead ahead{start + 64 * begin, count, (count + p.steps - 1) / p.steps};
+    const auto ahead = [&](const uint32_t* w) {  // this tile's share of panel w's lines
+      return w ? Ahead{reinterpret_cast<const char*>(w) + 64 * begin, count, (count + p.steps - 1) / p.steps} : Ahead{};
+    };
+    const Ahead a = ahead(next ? next->w : nullptr), u = ahead(next ? next->up : nullptr);
     switch (std::min<int64_t>(kRows, last - row)) {
-      case 6: p.f32 ? tile<6, true>(p, panel, row, ahead) : tile<6, false>(p, panel, row, ahead); break;
-      case 5: p.f32 ? tile<5, true>(p, panel, row, ahead) : tile<5, false>(p, panel, row, ahead); break;
-      case 4: p.f32 ? tile<4, true>(p, panel, row, ahead) : tile<4, false>(p, panel, row, ahead); break;
-      case 3: p.f32 ? tile<3, true>(p, panel, row, ahead) : tile<3, false>(p, panel, row, ahead); break;
-      case 2: p.f32 ? tile<2, true>(p, panel, row, ahead) : tile<2, false>(p, panel, row, ahead); break;
-      default: p.f32 ? tile<1, true>(p, panel, row, ahead) : tile<1, false>(p, panel, row, ahead); break;
+      case 6: p.f32 ? tile<6, true>(p, panel, row, a, u) : tile<6, false>(p, panel, row, a, u); break;
+      case 5: p.f32 ? tile<5, true>(p, panel, row, a, u) : tile<5, false>(p, panel, row, a, u); break;
+      case 4: p.f32 ? tile<4, true>(p, panel, row, a, u) : tile<4, false>(p, panel, row, a, u); break;
+      case 3: p.f32 ? tile<3, true>(p, panel, row, a, u) : tile<3, false>(p, panel, row, a, u); break;
+      case 2: p.f32 ? tile<2, true>(p, panel, row, a, u) : tile<2, false>(p, panel, row, a, u); break;
+      default: p.f32 ? tile<1, true>(p, panel, row, a, u) : tile<1, false>(p, panel, row, a, u); break;
     }
   }
 }
@@ -177,18 +214,21 @@ void run(Product p, ffi::ThreadPool& pool) {
 #endif  // __AVX512BF16__
 
 // x, then the packed weights; one float32 [M, N_j] result per weight. x bfloat16 with uint32
-// weights [N/64, K/2, 64], or x float32 with float32 weights [N/64, K, 64].
-ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+// weights [N/64, K/2, 64], or x float32 with float32 weights [N/64, K, 64]. Gated: the weights
+// are a gate and an up of one shape, and the one result is silu(x @ gate) * (x @ up).
+ffi::Error product(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs,
+                   bool gated) {
   const bool f32 = x.element_type() == ffi::DataType::F32;
   if (x.dimensions().size() != 2 || (!f32 && x.element_type() != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("matmul: x must be a bfloat16 or float32 matrix");
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], steps = f32 ? k : k / 2;
-  if (weights.size() == 0 || weights.size() != outs.size())
-    return ffi::Error::InvalidArgument("matmul: needs one result per packed weight, and at least one weight");
+  if (gated ? weights.size() != 2 || outs.size() != 1 : weights.size() == 0 || weights.size() != outs.size())
+    return ffi::Error::InvalidArgument(gated ? "gated matmul: needs a gate and an up weight, and one result"
+                                             : "matmul: needs one result per packed weight, and at least one weight");
   Product product{static_cast<const uint32_t*>(x.untyped_data()), {}, m, steps, f32};
   for (size_t j = 0; j < weights.size(); ++j) {
     auto w = weights.get<ffi::AnyBuffer>(j);
-    auto out = outs.get<ffi::Buffer<ffi::F32, 2>>(j);
+    auto out = outs.get<ffi::Buffer<ffi::F32, 2>>(gated ? 0 : j);
     if (w.has_error() || out.has_error() || w->element_type() != (f32 ? ffi::DataType::F32 : ffi::DataType::U32))
       return ffi::Error::InvalidArgument("matmul: weights must be uint32 for bfloat16 x, float32 for float32 x");
     const auto dims = w->dimensions();
@@ -197,6 +237,13 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs wei
       return ffi::Error::InvalidArgument("matmul: needs x [M, K], each w [N/64, K/2 (K for float32), 64] and its "
                                          "result [M, N]");
     if (steps == 0) std::memset((*out)->typed_data(), 0, (*out)->size_bytes());
+    // A gated product's up weight: shaped as the gate (the checks above give it the gate's
+    // result), its panels go with the gate's.
+    if (gated && j == 1) {
+      for (int64_t panel = 0; panel < int64_t(product.panels.size()); ++panel)
+        product.panels[panel].up = static_cast<const uint32_t*>(w->untyped_data()) + panel * steps * kPanel;
+      continue;
+    }
     for (int64_t panel = 0; steps > 0 && panel < dims[0]; ++panel)
       product.panels.push_back({static_cast<const uint32_t*>(w->untyped_data()) + panel * steps * kPanel,
                                 (*out)->typed_data() + panel * kPanel, 64 * dims[0]});
@@ -207,6 +254,14 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs wei
 #else
   return ffi::Error::Internal("matmul: built for a CPU without AVX512-BF16");
 #endif
+}
+
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  return product(pool, x, weights, outs, false);
+}
+
+ffi::Error gated_matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  return product(pool, x, weights, outs, true);
 }
 
 }  // namespace
@@ -221,6 +276,13 @@ extern "C" int PallasPagedMatmulAvailable() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedGatedMatmul, gated_matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

@@ -63,7 +63,12 @@ def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_weights_packed_for_the_native_product_give_the_same_tokens(parity_prompts, monkeypatch, dtype):
     """Where the native product runs, the engine packs every weight it can, and the tied
-    embedding gets a packed copy as the head; greedy tokens equal XLA's products'."""
+    embedding gets a packed copy as the head; greedy tokens equal XLA's products' in float32.
+    In bfloat16 they are equal up to near ties: the native SwiGLU's exp is not XLA's, and a
+    float32 rounding apart can round a product's input to the next bfloat16. Over these
+    prompts, the log-probabilities of the tokens both runs chose differed by at most 0.045;
+    where a sequence first differs, XLA's run must have had the packed run's token within
+    0.1 of its own."""
     packed = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     params = packed.engine.runner.params
     if not pallas_paged.is_packed(params["layers"][0]["q"]["w"]):
@@ -74,5 +79,17 @@ def test_weights_packed_for_the_native_product_give_the_same_tokens(parity_promp
     monkeypatch.setenv("PALLAS_PAGED_CPU_MATMUL", "xla")
     unpacked = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     assert "lm_head" not in unpacked.engine.runner.params
-    expected = [list(o.outputs[0].token_ids) for o in unpacked.generate(parity_prompts, GREEDY, use_tqdm=False)]
-    assert [list(o.outputs[0].token_ids) for o in packed.generate(parity_prompts, GREEDY, use_tqdm=False)] == expected
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    expected = [o.outputs[0] for o in unpacked.generate(parity_prompts, with_logprobs, use_tqdm=False)]
+    got = [list(o.outputs[0].token_ids) for o in packed.generate(parity_prompts, GREEDY, use_tqdm=False)]
+    if dtype == "float32":
+        assert got == [list(want.token_ids) for want in expected]
+        return
+    for tokens, want in zip(got, expected, strict=True):
+        differ = next((i for i, (a, b) in enumerate(zip(tokens, want.token_ids)) if a != b), None)
+        if differ is None:
+            assert tokens == list(want.token_ids)
+            continue
+        choices = want.logprobs[differ]
+        assert tokens[differ] in choices, f"position {differ}: {tokens[differ]} is not among XLA's top 5"
+        assert choices[want.token_ids[differ]].logprob - choices[tokens[differ]].logprob < 0.1

@@ -102,3 +102,28 @@ def test_matmul_keeps_leading_axes_and_casts_to_the_weights_dtype(packed):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     lowered = jax.jit(pallas_paged.matmul).lower(x, pallas_paged.pack(w) if packed else w).as_text()
     assert (native.MATMUL_TARGET in lowered) == packed
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (13, 40, 64), (301, 576, 192), (250, 1536, 128)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gated_product_matches_silu_of_gate_times_up(m, k, n, dtype):
+    """SwiGLU's gating in the native call, against XLA's silu of the same call's products (which
+    test_packed_product_matches_float32_math checks): its exp is a polynomial, not XLA's, so
+    they agree to about float32 rounding, over gates well into both tails of silu."""
+    rng = np.random.default_rng(m + n)
+    x = _bf16(rng, (m, k)).astype(dtype)
+    gate, up = (pallas_paged.pack(_bf16(rng, (k, n)).astype(dtype)) for _ in range(2))
+    got = jax.jit(pallas_paged.gated_matmul)(x, gate, up)
+    g, u = pallas_paged.matmuls(x, [gate, up])
+    assert float(jnp.min(g)) < -4 and float(jnp.max(g)) > 4
+    np.testing.assert_allclose(got, jax.nn.silu(g) * u, rtol=1e-6, atol=1e-30)
+
+
+def test_gated_product_over_the_tails_of_silu():
+    """Gates far past where exp overflows or underflows in float32 (silu is x there, or 0)."""
+    x = jnp.asarray(np.linspace(-300, 300, 61, dtype=np.float32)[:, None])
+    gate, up = jnp.ones((1, 64), jnp.float32), jnp.full((1, 64), 2.0, jnp.float32)
+    got = pallas_paged.gated_matmul(x, pallas_paged.pack(gate), pallas_paged.pack(up))
+    want = jax.nn.silu(x) * (2 * x)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, jnp.broadcast_to(want, got.shape), rtol=1e-6, atol=1e-30)
