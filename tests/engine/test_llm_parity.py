@@ -13,6 +13,7 @@ from tests.conftest import NEW_TOKENS
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
 COMMON = dict(max_model_len=512, block_size=16, swap_space=0.25, warmup=False)
 
 CONFIGS = {
@@ -45,30 +46,46 @@ def test_greedy_equals_hugging_face(name, parity_prompts, hf_parity):
 def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
     """bfloat16 weights and (by "auto") cache: preempted by swapping blocks out and in, or
     sharing the prompt's blocks between two samples, each sequence gets the tokens of an
-    unconstrained run; nothing leaks."""
-    expected = [list(o.outputs[0].token_ids) for o in LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
-                .generate(parity_prompts, GREEDY, use_tqdm=False)]
+    unconstrained run up to bfloat16's near ties (see assert_same_up_to_near_ties: other
+    batches run other programs); nothing leaks."""
+    expected = [o.outputs[0] for o in LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
+                .generate(parity_prompts, WITH_LOGPROBS, use_tqdm=False)]
     swapped = LLM(dtype="bfloat16", **COMMON, **CONFIGS["preempt_swap"])
     outputs = swapped.generate(parity_prompts, GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert_same_up_to_near_ties([list(o.outputs[0].token_ids) for o in outputs], expected)
     assert swapped.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
     assert_all_blocks_free(swapped)
     shared = LLM(dtype="bfloat16", **COMMON, **CONFIGS["batched"])
     pairs = shared.generate(parity_prompts, SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS),
                             use_tqdm=False)
-    assert [[list(c.token_ids) for c in o.outputs] for o in pairs] == [[tokens, tokens] for tokens in expected]
+    assert all(list(o.outputs[0].token_ids) == list(o.outputs[1].token_ids) for o in pairs)
+    assert_same_up_to_near_ties([list(o.outputs[0].token_ids) for o in pairs], expected)
     assert_all_blocks_free(shared)
+
+
+def assert_same_up_to_near_ties(got: list[list[int]], expected, *, tolerance: float = 0.1) -> None:
+    """Greedy tokens in bfloat16 equal ``expected``'s (CompletionOutputs with logprobs) up to
+    near ties: where a sequence first differs, ``expected``'s run had the other token within
+    ``tolerance`` of its own log-probability. Runs that batch the same prompts differently,
+    or multiply them with other kernels, differ by a bfloat16 rounding here and there: over
+    these prompts their chosen tokens' log-probabilities differed by up to 0.055."""
+    for tokens, want in zip(got, expected, strict=True):
+        differ = next((i for i, (a, b) in enumerate(zip(tokens, want.token_ids)) if a != b), None)
+        if differ is None:
+            assert tokens == list(want.token_ids)
+            continue
+        choices = want.logprobs[differ]
+        assert tokens[differ] in choices, f"position {differ}: {tokens[differ]} is not among the top tokens"
+        assert choices[want.token_ids[differ]].logprob - choices[tokens[differ]].logprob < tolerance
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_weights_packed_for_the_native_product_give_the_same_tokens(parity_prompts, monkeypatch, dtype):
     """Where the native product runs, the engine packs every weight it can, and the tied
     embedding gets a packed copy as the head; greedy tokens equal XLA's products' in float32.
-    In bfloat16 they are equal up to near ties: the native SwiGLU's exp is not XLA's, and a
-    float32 rounding apart can round a product's input to the next bfloat16. Over these
-    prompts, the log-probabilities of the tokens both runs chose differed by at most 0.045;
-    where a sequence first differs, XLA's run must have had the packed run's token within
-    0.1 of its own."""
+    In bfloat16 they are equal up to near ties (assert_same_up_to_near_ties): the native
+    SwiGLU's exp is not XLA's, and a float32 rounding apart can round a product's input to
+    the next bfloat16."""
     packed = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     params = packed.engine.runner.params
     if not pallas_paged.is_packed(params["layers"][0]["q"]["w"]):
@@ -79,17 +96,9 @@ def test_weights_packed_for_the_native_product_give_the_same_tokens(parity_promp
     monkeypatch.setenv("PALLAS_PAGED_CPU_MATMUL", "xla")
     unpacked = LLM(dtype=dtype, **COMMON, **CONFIGS["batched"])
     assert "lm_head" not in unpacked.engine.runner.params
-    with_logprobs = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
-    expected = [o.outputs[0] for o in unpacked.generate(parity_prompts, with_logprobs, use_tqdm=False)]
+    expected = [o.outputs[0] for o in unpacked.generate(parity_prompts, WITH_LOGPROBS, use_tqdm=False)]
     got = [list(o.outputs[0].token_ids) for o in packed.generate(parity_prompts, GREEDY, use_tqdm=False)]
     if dtype == "float32":
         assert got == [list(want.token_ids) for want in expected]
-        return
-    for tokens, want in zip(got, expected, strict=True):
-        differ = next((i for i, (a, b) in enumerate(zip(tokens, want.token_ids)) if a != b), None)
-        if differ is None:
-            assert tokens == list(want.token_ids)
-            continue
-        choices = want.logprobs[differ]
-        assert tokens[differ] in choices, f"position {differ}: {tokens[differ]} is not among XLA's top 5"
-        assert choices[want.token_ids[differ]].logprob - choices[tokens[differ]].logprob < 0.1
+    else:
+        assert_same_up_to_near_ties(got, expected)
