@@ -9,8 +9,9 @@ Every matmul weight is stored ``[in, out]`` so a projection is a plain
   ``"k"`` and ``"v"`` (``[kv_heads, head_dim]``) and ``"o"``; query head h
   reads KV head ``h // queries_per_kv``.
 
-Q/K/V and gate/up stay separate weights, multiplied together (:func:`linears`): packed
-ones in one native call, faster than three.
+Q/K/V and gate/up stay separate weights. Q/K/V are multiplied together (:func:`linears`):
+packed ones in one native call, faster than three. Gate and up, with SwiGLU's gating, go to
+:func:`pallas_paged.gated_matmul`: packed, one native call that writes only the gated result.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ A packed weight holds 64 output columns per panel, read in memory order:
   w[2s+1, n])`` that one ``VDPBF16PS`` lane multiplies;
 * float32: float32 ``[N/64, K, 64]``.
 
+:func:`gated_matmul` does SwiGLU's gate and up products and the gating in one native call.
 Everything else runs XLA's dot.
 """
 
