@@ -17,6 +17,7 @@ SHAPES = [  # (M, K, N): the kernel's code paths
     pytest.param(1, 576, 1536, id="one-row"),
     pytest.param(2, 576, 192, id="narrow-splits-rows"),
     pytest.param(13, 40, 64, id="partial-tile-one-panel"),
+    pytest.param(32, 576, 576, id="rows-of-the-odd-panel-split"),
     pytest.param(70, 1536, 576, id="many-rows"),
     pytest.param(200, 1536, 128, id="blocks-of-rows"),
     pytest.param(301, 576, 192, id="blocks-of-rows-partial-tile"),
@@ -104,7 +105,7 @@ def test_matmul_keeps_leading_axes_and_casts_to_the_weights_dtype(packed):
     assert (native.MATMUL_TARGET in lowered) == packed
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (13, 40, 64), (301, 576, 192), (250, 1536, 128)])
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (13, 40, 64), (32, 576, 576), (301, 576, 192), (250, 1536, 128)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gated_product_matches_silu_of_gate_times_up(m, k, n, dtype):
     """SwiGLU's gating in the native call, against XLA's silu of the same call's products (which
