@@ -60,14 +60,21 @@ def _common_prefix_len(seqs: tuple[Sequence, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AllocationPlan:
-    """How `allocate` lays out a group: shared leading blocks (some found in the prefix cache),
-    then private blocks and reserved blocks per sequence. `num_queried` blocks were looked up."""
+    """How `allocate` lays out a group: shared leading blocks (some found in the prefix cache:
+    `hits` cached, then `scheduled_hits` that this step's earlier work computes), then private
+    blocks and reserved blocks per sequence. `num_queried` blocks were looked up."""
 
     num_shared: int
     hits: tuple[prefix_cache.CachedBlock, ...]
     num_queried: int
     num_private: tuple[int, ...]
     num_reserved: tuple[int, ...]
+    scheduled_hits: tuple[int, ...] = ()
+
+    @property
+    def hit_blocks(self) -> tuple[int, ...]:
+        """The leading blocks found, cached then scheduled: their tokens count as computed."""
+        return tuple(hit.block for hit in self.hits) + self.scheduled_hits
 
     @property
     def num_blocks(self) -> int:
@@ -77,13 +84,13 @@ class AllocationPlan:
     @property
     def num_new_blocks(self) -> int:
         """Blocks taken from the pool (hits excluded)."""
-        return self.num_blocks - len(self.hits)
+        return self.num_blocks - len(self.hit_blocks)
 
     @property
     def chunks(self) -> tuple[int, ...]:
         """Blocks each sequence takes from the pool, in one piece (the first sequence's piece
         also holds the shared blocks not found in the prefix cache)."""
-        shared_new = self.num_shared - len(self.hits)
+        shared_new = self.num_shared - len(self.hit_blocks)
         return _own_blocks(shared_new, self.num_private, self.num_reserved)
 
 
@@ -99,10 +106,12 @@ def plan_allocation(
     else:
         num_shared = num_shared_full = _common_prefix_len(seqs) // size
     num_queried = 0
-    hits: tuple = ()
+    hits, scheduled_hits = (), ()
     if config.enable_prefix_caching and group.use_prefix_cache:
         num_queried = min(num_shared_full, (min(seq.len for seq in seqs) - 1) // size)
         hits = prefix_cache.lookup(cache, seqs[0].token_ids, num_queried, size)
+        found = tuple(hit.block for hit in hits)
+        scheduled_hits = prefix_cache.lookup_scheduled(cache, seqs[0].token_ids, found, num_queried, size)
     reserve_blocks = blocks_for(reserved_len(config, group), size)
     num_private = tuple(blocks_for(seq.len, size) - num_shared for seq in seqs)
     num_reserved = tuple(max(0, reserve_blocks - blocks_for(seq.len, size)) for seq in seqs)
@@ -111,7 +120,7 @@ def plan_allocation(
             _next_power_of_two(own) - own + reserved if own else 0
             for own, reserved in zip(_own_blocks(num_shared, num_private, num_reserved), num_reserved)
         )
-    return AllocationPlan(num_shared, hits, num_queried, num_private, num_reserved)
+    return AllocationPlan(num_shared, hits, num_queried, num_private, num_reserved, scheduled_hits)
 
 
 def _own_blocks(num_shared: int, num_private, num_reserved) -> tuple[int, ...]:

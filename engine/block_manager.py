@@ -232,9 +232,9 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
     """
     plan = plan_allocation(state.config, state.prefix_cache, group)
     seqs = group.unfinished_seqs
-    hit_blocks = tuple(hit.block for hit in plan.hits)
+    hit_blocks = plan.hit_blocks
     cache = prefix_cache.acquire(state.prefix_cache, hit_blocks)
-    cache = prefix_cache.count_lookup(cache, plan.num_queried, len(plan.hits))
+    cache = prefix_cache.count_lookup(cache, plan.num_queried, len(hit_blocks))
     state = dataclasses.replace(state, prefix_cache=cache)
     num_new_shared, shared, entries = plan.num_shared - len(hit_blocks), hit_blocks, {}
     for index, seq in enumerate(seqs):
@@ -351,10 +351,23 @@ def num_shared_tokens(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> i
     return num_same * state.config.block_size
 
 
-def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockManagerState:
-    """Enter the newly computed full blocks of `seqs` in the prefix cache (when caching is on)."""
+def mark_scheduled(state: BlockManagerState, seq: Sequence, num_tokens: int) -> BlockManagerState:
+    """This step computes `seq`'s first `num_tokens` tokens: offer its full blocks among them to
+    groups admitted later in the step (when caching is on; see `engine.prefix_cache`)."""
     if not state.config.enable_prefix_caching:
         return state
+    cache = prefix_cache.offer_scheduled(
+        state.prefix_cache, seq.token_ids, state.seqs[seq.seq_id].block_table, num_tokens, state.config.block_size
+    )
+    return dataclasses.replace(state, prefix_cache=cache)
+
+
+def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockManagerState:
+    """The step is done: enter the newly computed full blocks of `seqs` in the prefix cache and
+    forget the step's scheduled blocks (when caching is on)."""
+    if not state.config.enable_prefix_caching:
+        return state
+    state = dataclasses.replace(state, prefix_cache=prefix_cache.end_step(state.prefix_cache))
     size, chains, entries = state.config.block_size, [], []
     for seq in seqs:
         entry = state.seqs[seq.seq_id]
@@ -374,6 +387,16 @@ def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockMa
         for (seq_id, entry), ids in zip(entries, chain_ids)
     }
     return _set_seqs(dataclasses.replace(state, prefix_cache=cache), updated)
+
+
+def reset_prefix_cache(state: BlockManagerState) -> BlockManagerState:
+    """Forget every cached block, returning it to the free list; no sequence may hold blocks
+    (an entry it names would dangle). The hit counts stay."""
+    assert not state.seqs, "the prefix cache is reset only while no sequence holds blocks"
+    cache, blocks = prefix_cache.evict(state.prefix_cache, len(state.prefix_cache.evictable))
+    assert not cache.by_block, "a cached block is not evictable"
+    device = dataclasses.replace(state.device, free=state.device.free + blocks)
+    return dataclasses.replace(state, device=device, prefix_cache=cache)
 
 
 # --- swapping -------------------------------------------------------------------------------

@@ -133,6 +133,12 @@ class LLM:
                             use_tqdm)
         return [_beam_search_output(out, self.engine.tokenizer) for out in outputs]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's ``LLM.reset_prefix_cache``: the next prompts
+        compute every block again (benchmarks reset it between rounds). False, changing
+        nothing, while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def cache_stats(self) -> CacheStats:
         stats = self.engine.stats()
         blocks = stats.blocks

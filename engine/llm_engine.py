@@ -235,6 +235,16 @@ class LLMEngine:
         if request is not None:
             request.aborted = True
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's): later prompts compute every block again. False,
+        changing nothing, while requests are running or swapped out."""
+        state = sch.reset_prefix_cache(self.state)
+        if state is None:
+            log.warning("the prefix cache was not reset: requests hold blocks")
+            return False
+        self.state = state
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -8,7 +8,12 @@ block; entry ids are never reused, so a parent id pins the entire prefix before 
 thus names exactly one token prefix, which is what the block's KV depends on.
 
 Only blocks whose KV has been computed are inserted (the block manager calls `insert_chains`
-from `mark_computed`), so a hit never depends on work scheduled in the same step.
+from `mark_computed`). Within one step, the full blocks that work already scheduled in it will
+complete are *scheduled* entries, keyed by (the physical block before it, or None, token ids):
+a request admitted later in the step shares them instead of computing the same KV again, as
+vLLM V1 does. That is sound because the model writes every token's K and V of a layer before
+any token of the step attends (`models.Metadata.write_and_attend`), and the step runs as one
+forward pass. Scheduled entries last until the step is recorded.
 
 A cached block that no sequence references is *evictable*: it counts as free, keeps its KV for
 future hits, and is reused least-recently-released first once the free list is empty.
@@ -55,11 +60,14 @@ class CachedBlock:
 class PrefixCache:
     """Cache entries by key and by block, plus the LRU order of the evictable blocks.
 
-    `num_queries` and `num_hits` count blocks looked up at admission and blocks found.
+    `num_queries` and `num_hits` count blocks looked up at admission and blocks found
+    (cached or scheduled). `scheduled` maps (block before or None, token ids) to the block
+    this step's work completes with them.
     """
 
     by_key: Mapping[Key, CachedBlock] = dataclasses.field(default_factory=frozen_map)
     by_block: Mapping[int, CachedBlock] = dataclasses.field(default_factory=frozen_map)
+    scheduled: Mapping[tuple[int | None, tuple[int, ...]], int] = dataclasses.field(default_factory=frozen_map)
     evictable: tuple[int, ...] = ()
     next_entry_id: int = 0
     num_queries: int = 0
@@ -87,6 +95,41 @@ def lookup(
         found.append(entry)
         parent = entry.entry_id
     return tuple(found)
+
+
+def lookup_scheduled(
+    cache: PrefixCache, token_ids: tuple[int, ...], found: tuple[int, ...], num_blocks: int, block_size: int
+) -> tuple[int, ...]:
+    """The scheduled blocks holding the leading full blocks of `token_ids` after the `found`
+    ones (blocks already shared, in order), stopping at the first miss; at most `num_blocks`
+    blocks in all."""
+    blocks: list[int] = []
+    parent = found[-1] if found else None
+    for index in range(len(found), num_blocks):
+        block = cache.scheduled.get((parent, block_tokens(token_ids, index, block_size)))
+        if block is None:
+            break
+        blocks.append(block)
+        parent = block
+    return tuple(blocks)
+
+
+def offer_scheduled(
+    cache: PrefixCache, token_ids: tuple[int, ...], block_table: tuple[int, ...], num_tokens: int, block_size: int
+) -> PrefixCache:
+    """Enter the full blocks among the first `num_tokens` of a sequence (`token_ids`, held in
+    `block_table`) as scheduled: they are computed by the end of the step."""
+    entries, parent = {}, None
+    for index in range(num_tokens // block_size):
+        entries[(parent, block_tokens(token_ids, index, block_size))] = parent = block_table[index]
+    if not entries:
+        return cache
+    return dataclasses.replace(cache, scheduled=assoc(cache.scheduled, entries))
+
+
+def end_step(cache: PrefixCache) -> PrefixCache:
+    """Forget the step's scheduled blocks: computed now, they are cached or nothing."""
+    return dataclasses.replace(cache, scheduled=frozen_map()) if cache.scheduled else cache
 
 
 def count_lookup(cache: PrefixCache, num_queried: int, num_hit: int) -> PrefixCache:

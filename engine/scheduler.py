@@ -169,6 +169,14 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
     )
 
 
+def reset_prefix_cache(state: SchedulerState) -> SchedulerState | None:
+    """The state with an empty prefix cache, or None while requests run or are swapped out
+    (they hold blocks: wait until they finish, or abort them)."""
+    if state.running or state.swapped or state.pending is not None:
+        return None
+    return dataclasses.replace(state, blocks=bm.reset_prefix_cache(state.blocks))
+
+
 def stats(state: SchedulerState) -> SchedulerStats:
     """Queue lengths, preemptions, device KV usage and the block manager's accounting."""
     num_tokens = {

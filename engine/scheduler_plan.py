@@ -109,8 +109,14 @@ def _run_decode(step: _Step, group: SequenceGroup) -> _Step:
 
 
 def _run_prefill(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+    """Schedule the group's next prefill chunk; groups admitted later in the step may share the
+    full blocks it completes (with prefix caching)."""
     budget = config.max_num_batched_tokens - step.num_tokens
-    return _join(step, group, _prefill_work(step.blocks, group, budget))
+    work = _prefill_work(step.blocks, group, budget)
+    blocks, seqs = step.blocks, {seq.seq_id: seq for seq in group.unfinished_seqs}
+    for entry in work:
+        blocks = bm.mark_scheduled(blocks, seqs[entry.seq_ids[0]], entry.context_len)
+    return _join(step, group, work, blocks)
 
 
 def _run(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:

@@ -76,9 +76,18 @@ class FakeCache:
         return table[position // self.block_size], position % self.block_size
 
     def run(self, state: sch.SchedulerState, out: sch.SchedulerOutput) -> dict:
-        """Check each entry's context, write its tokens' KV, return a hash of what each
-        sampling entry attends to (its 'logits')."""
+        """Write every entry's tokens' KV (no slot twice), then, as the model's layers do, check
+        each entry's context; return a hash of what each sampling entry attends to (its
+        'logits'). An entry may thus read blocks another entry of the step writes."""
         seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
+        written = set()
+        for work in out.scheduled:
+            tokens = seqs[work.seq_ids[0]].token_ids
+            for position in range(work.start, work.context_len):
+                slot = self._slot(work.block_table, position)
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.device[slot] = kv_value(tokens, position)
         for work in out.scheduled:
             tokens = seqs[work.seq_ids[0]].token_ids
             for seq_id in work.seq_ids:
@@ -87,10 +96,6 @@ class FakeCache:
             for position in range(work.start):
                 stored = self.device.get(self._slot(work.block_table, position))
                 assert stored == kv_value(tokens, position), f"bad KV at {position} for {work}"
-        for work in out.scheduled:
-            tokens = seqs[work.seq_ids[0]].token_ids
-            for position in range(work.start, work.context_len):
-                self.device[self._slot(work.block_table, position)] = kv_value(tokens, position)
         return {work: self._logits(work) for work in out.scheduled if work.do_sample}
 
     def _logits(self, work: sch.ScheduledGroupWork) -> int:

@@ -178,6 +178,24 @@ def test_prefix_cache_ignores_blocks_not_yet_computed():
     assert num_cached == 0
 
 
+def test_prefix_cache_finds_blocks_this_step_completes_until_it_is_recorded():
+    state, _ = bm.allocate(bm.initial_state(make_config(**CACHING)), make_group(range(10)))
+    state = bm.mark_scheduled(state, make_group(range(10)).seqs[0], 9)  # tokens 0-8: two full blocks
+    state, num_cached = bm.allocate(state, make_group(list(range(8)) + [7, 7, 7], first_seq_id=1))
+    assert num_cached == 8 and bm.block_table(state, 1)[:2] == bm.block_table(state, 0)[:2]
+    state = bm.mark_computed(state, [])
+    assert not state.prefix_cache.scheduled and not state.prefix_cache.by_block
+    _, num_cached = bm.allocate(state, make_group(list(range(8)) + [6, 6], first_seq_id=2))
+    assert num_cached == 0  # nothing was marked computed
+
+
+def test_resetting_the_prefix_cache_frees_its_blocks():
+    state, _ = admit_and_compute(bm.initial_state(make_config(num_device_blocks=4, **CACHING)), range(9), 0)
+    state = bm.reset_prefix_cache(bm.free(state, 0))
+    assert not state.prefix_cache.by_key and sorted(state.device.free) == [0, 1, 2, 3]
+    assert bm.allocate(state, make_group(range(9), first_seq_id=1))[1] == 0
+
+
 def test_prefix_cache_matches_whole_prefixes_not_single_blocks():
     state, _ = admit_and_compute(bm.initial_state(make_config(**CACHING)), range(10), 0)
     _, num_cached = bm.allocate(state, make_group([9, 9, 9, 9, 4, 5, 6, 7, 1], first_seq_id=1))

@@ -43,6 +43,24 @@ def test_greedy_equals_hugging_face(name, parity_prompts, hf_parity):
     assert_all_blocks_free(llm)
 
 
+def test_prompts_started_together_share_their_common_blocks(parity_prompts, hf_parity):
+    """With prefix caching, chat prompts admitted in one step compute the chat template's full
+    blocks once (the later ones read the first one's KV, written in the same step), and keep
+    Hugging Face's tokens; the duplicate prompts share every full block."""
+    llm = LLM(**COMMON, **CONFIGS["prefix_caching"])
+    prompts, expected = parity_prompts[-2:] * 2, hf_parity[-2:] * 2
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    stats, block = llm.cache_stats(), COMMON["block_size"]
+    first, second = prompts[:2]
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common >= block, "the chat template should fill a block"
+    # the second prompt finds the template's blocks; the repeats every block but their last token's
+    assert stats.prefix_cache_hits == common // block + (len(first) - 1) // block + (len(second) - 1) // block
+    assert llm.engine.counters.prompt_tokens == sum(map(len, prompts)) - stats.prefix_cache_hits * block
+    assert_all_blocks_free(llm)
+
+
 def test_bfloat16_output_survives_swapping_and_copy_on_write(parity_prompts):
     """bfloat16 weights and (by "auto") cache: preempted by swapping blocks out and in, or
     sharing the prompt's blocks between two samples, each sequence gets the tokens of an

@@ -35,6 +35,10 @@ def test_prefix_caching_prefills_only_the_suffix(llm_and_hf, tmp_path):
     assert cached.cache_stats().prefix_cache_hits >= len(prefix) // 8
     without_cache = llm_and_hf[0].generate([second], greedy, use_tqdm=False)[0]
     assert with_cache.outputs[0].token_ids == without_cache.outputs[0].token_ids
+    assert cached.reset_prefix_cache()
+    before = cached.engine.counters.prompt_tokens
+    cached.generate([second], greedy, use_tqdm=False)
+    assert cached.engine.counters.prompt_tokens - before == len(second)
 
 
 def test_too_long_prompt_fails_alone_with_the_limit_in_the_message(llm_and_hf):

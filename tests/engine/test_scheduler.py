@@ -42,6 +42,36 @@ def test_preempted_requests_resume_exactly(preemption_mode, prefix_caching):
     assert bm.num_free_device_blocks(state.blocks) == 18
 
 
+def test_requests_admitted_together_compute_their_common_full_blocks_once():
+    """With prefix caching, a request admitted after another in the same step shares the full
+    blocks that step completes for it (vLLM V1 too): it computes only the rest, and every
+    output equals a run without caching."""
+    prompt = (*SYSTEM_PROMPT, 11, 12, 13)  # two full blocks of 4 shared, then private tokens
+    requests = [(0, f"req{i}", prompt[: 8 + i % 2] + (i + 1,), 1 + i % 2, 5) for i in range(4)]
+    config = make_config(prefix_caching=True)
+    state = requests_added(sch.initial_state(config), requests)
+    state, out = sch.schedule(state)
+    first, *others = out.scheduled
+    assert (first.start, len(first.token_ids)) == (0, 9)
+    for work in others:
+        assert work.start == 8 and work.block_table[:2] == first.block_table[:2]
+    assert state.blocks.device.refcounts[first.block_table[0]] == sum(num_seqs for *_, num_seqs, _ in requests)
+    state = sch.update(state, append_ones(out))
+    assert not state.blocks.prefix_cache.scheduled
+    assert state.blocks.prefix_cache.num_hits == 2 * len(others)
+    assert sch.reset_prefix_cache(state) is None, "running requests hold cached blocks"
+
+    results, state = serve(config, requests)
+    assert results == serve(make_config(prefix_caching=False), requests)[0]
+    assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+
+
+def requests_added(state, requests):
+    for _, request_id, prompt, num_seqs, max_tokens in requests:
+        state = sch.add_request(state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs)
+    return state
+
+
 def test_the_same_calls_give_equal_states():
     config = make_config(num_device_blocks=18, max_num_batched_tokens=12, prefix_caching=True)
     assert serve(config, workload())[1] == serve(config, workload())[1]

@@ -133,7 +133,8 @@ def check_plan(
     before: sch.SchedulerState, after: sch.SchedulerState, out: sch.SchedulerOutput
 ) -> None:
     """Budgets hold, admission is FCFS, and only unshared blocks (or blocks shared exactly by
-    the sequences of one prefill entry) receive tokens."""
+    the sequences of one prefill entry) receive tokens, except full blocks the entry completes,
+    which groups admitted later in the step may share (prefix caching)."""
     config, size = after.config, after.config.block_manager.block_size
     assert out.num_batched_tokens <= config.max_num_batched_tokens
     assert sum(len(group.unfinished_seqs) for group in after.running) <= config.max_num_seqs
@@ -145,9 +146,10 @@ def check_plan(
         assert max(admitted) < min(still_waiting)
     refcounts = after.blocks.device.refcounts
     for work in out.scheduled:
-        written = {work.block_table[p // size] for p in range(work.start, work.context_len)}
-        for block in written:
-            assert refcounts[block] == len(work.seq_ids), f"shared block {block} written"
+        for index in {p // size for p in range(work.start, work.context_len)}:
+            block, completed = work.block_table[index], (index + 1) * size <= work.context_len
+            shared = refcounts[block] > len(work.seq_ids)
+            assert refcounts[block] >= len(work.seq_ids) and (completed or not shared), f"shared block {block} written"
         for seq_id in work.seq_ids:
             assert bm.block_table(after.blocks, seq_id)[: len(work.block_table)] == work.block_table
 
