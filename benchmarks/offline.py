@@ -22,7 +22,7 @@ from engine import LLM, SamplingParams
 # The systems of the paper's Fig. 12, as LLM keyword arguments. "static" is FasterTransformer-
 # style: a batch runs until all its members finish, each holding KV for max_model_len tokens.
 POLICIES = {
-    "paged": {"reservation": "paged"},
+    "paged": {"reservation": "paged", "enable_prefix_caching": False},  # the paper's vLLM had none
     "orca-oracle": {"reservation": "orca-oracle"},
     "orca-pow2": {"reservation": "orca-pow2"},
     "orca-max": {"reservation": "orca-max"},

@@ -53,7 +53,7 @@ class Timing:
 def server_args(scale: offline.Scale) -> list[str]:
     return ["--max-model-len", str(scale.max_model_len), "--num-blocks", str(scale.kv_tokens // 16),
             "--max-num-seqs", str(scale.max_num_seqs), "--max-num-batched-tokens", str(scale.max_num_batched_tokens),
-            "--swap-space", "1"]
+            "--swap-space", "1", "--no-enable-prefix-caching"]  # as the paper's vLLM
 
 
 async def send(client: openai.AsyncOpenAI, prompt: list[int], output_len: int, at: float, origin: float) -> Timing:

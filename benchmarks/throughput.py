@@ -25,7 +25,9 @@ from engine import LLM, SamplingParams, huge_pages
 
 
 def engine_run(llm: LLM, prompts, output_lens) -> tuple[float, int]:
-    """Seconds to generate ``output_lens[i]`` tokens for every prompt at once, and tokens made."""
+    """Seconds to generate ``output_lens[i]`` tokens for every prompt at once, and tokens made.
+    The prefix cache starts empty, so every round computes what the first did."""
+    llm.reset_prefix_cache()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -36,7 +38,9 @@ def engine_run(llm: LLM, prompts, output_lens) -> tuple[float, int]:
 def decode_rate(llm: LLM, prompt, max_tokens: int) -> tuple[float, float]:
     """One sequence: (tokens/s over the whole request, tokens/s after its first token). The
     second leaves out the prompt phase, as llama.cpp's ``tg`` rate does, so it is what the
-    memory-bandwidth bound (one pass over the weights per token) describes."""
+    memory-bandwidth bound (one pass over the weights per token) describes. The prefix cache
+    starts empty."""
+    llm.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     (output,) = llm.generate([prompt], params, use_tqdm=False)

@@ -54,7 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     preemption_mode: str | None = None
     reservation: str = "paged"
     policy: str = "fcfs"
@@ -90,6 +90,8 @@ class EngineConfig:
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}",
              self.preemption_mode),
             (self.reservation in RESERVATIONS, "reservation", f"one of {RESERVATIONS}", self.reservation),
+            (self.enable_prefix_caching in (None, True, False), "enable_prefix_caching", "None, True or False",
+             self.enable_prefix_caching),
             (self.reservation == "paged" or not self.enable_prefix_caching, "reservation",
              "'paged' with enable_prefix_caching (the paper's Orca baselines have no prefix cache)",
              self.reservation),
@@ -99,6 +101,12 @@ class EngineConfig:
         for ok, field, allowed, value in checks:
             if not ok:
                 raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """``enable_prefix_caching``, where None is on for ``paged`` (vLLM's default) and off for
+        the paper's Orca baselines, which have no prefix cache."""
+        return self.reservation == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
 
     @property
     def param_dtype(self) -> str:
@@ -136,7 +144,7 @@ class EngineConfig:
             block_size=self.block_size,
             num_device_blocks=spec.num_blocks,
             num_host_blocks=int(self.swap_space * _GIB // spec.bytes_per_block),
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.prefix_caching,
             reservation=self.reservation,
             max_model_len=self.model_len(model),
         )

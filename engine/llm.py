@@ -48,8 +48,9 @@ class LLM:
     default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
     max_model_len: prompt plus output limit (default: the model's; lowered, with a warning, to
-    what the KV cache holds). enable_prefix_caching:
-    reuse KV blocks of identical prompt prefixes. preemption_mode: "recompute", "swap", or
+    what the KV cache holds). enable_prefix_caching: reuse the KV blocks of identical prompt
+    prefixes, computed earlier or earlier in the same step (None: on, as in vLLM, except for the
+    Orca baselines). preemption_mode: "recompute", "swap", or
     None to choose per request. reservation: "paged" or a baseline of the paper ("orca-max",
     "orca-pow2", "orca-oracle"). seed: for requests without their own. policy: "fcfs"
     (continuous batching) or "static" (a batch runs until all its members finish). warmup:
@@ -63,7 +64,7 @@ class LLM:
                  block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None, swap_space: float = 4,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = False,
+                 max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
                  async_scheduling: bool = True):

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int, default=256)
     add("--max-num-batched-tokens", type=int, default=None)
     add("--max-model-len", type=int, default=None)
-    add("--enable-prefix-caching", action="store_true")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV blocks of identical prompt prefixes (default: on)")
     add("--preemption-mode", choices=["recompute", "swap"], default=None)
     add("--seed", type=int, default=0)
     add("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 
 from engine import block_manager as bm
-from engine import buddy
+from engine import buddy, serve
 from engine.block_manager import AllocStatus
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceGroup
@@ -110,3 +110,13 @@ def test_orca_sequences_of_a_group_each_get_a_run_and_free_returns_every_block()
 def test_an_orca_baseline_with_prefix_caching_is_refused_before_loading_a_model():
     with pytest.raises(ValueError, match="'paged' with enable_prefix_caching"):
         EngineConfig(model="unused", reservation="orca-oracle", enable_prefix_caching=True)
+
+
+def test_prefix_caching_is_on_by_default_except_for_the_orca_baselines():
+    """As in vLLM V1; the paper's baselines had no prefix cache, so they get none unless asked
+    (and asking is refused, above)."""
+    assert EngineConfig(model="unused").prefix_caching
+    assert not EngineConfig(model="unused", enable_prefix_caching=False).prefix_caching
+    assert not EngineConfig(model="unused", reservation="orca-max").prefix_caching
+    for flag, on in (([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)):
+        assert serve.engine_config(serve.build_parser().parse_args(flag)).prefix_caching is on
