@@ -149,7 +149,12 @@ def insert_chains(
 
     Returns the new cache and, per chain, the entry ids that now name its blocks' contents.
     When a content is cached already (another sequence computed the same prefix into another
-    block), the existing entry is kept, its id returned, and the block stays uncached.
+    block), the existing entry is kept, its id returned, and the block stays uncached. When
+    the block itself is cached already under another key, that entry is kept and its id
+    returned: two sequences share the block (a hit on work scheduled in the same step) but
+    name its prefix by different entries, one of them evicted since the sequence holding it
+    chained through it (the sequence kept an uncached copy of that content). Either entry id
+    names the same tokens, so the chain stays sound.
     """
     by_key, by_block, next_id = dict(cache.by_key), dict(cache.by_block), cache.next_entry_id
     chain_ids = []
@@ -157,11 +162,13 @@ def insert_chains(
         ids = []
         for token_ids, block in blocks:
             key = (parent, token_ids)
-            if key not in by_key:
-                assert block not in by_block, f"block {block} is cached twice"
+            if key in by_key:
+                parent = by_key[key].entry_id
+            elif block in by_block:
+                parent = by_block[block].entry_id
+            else:
                 by_key[key] = by_block[block] = CachedBlock(entry_id=next_id, block=block, key=key)
-                next_id += 1
-            parent = by_key[key].entry_id
+                parent, next_id = next_id, next_id + 1
             ids.append(parent)
         chain_ids.append(ids)
     cache = dataclasses.replace(

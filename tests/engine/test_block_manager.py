@@ -189,6 +189,31 @@ def test_prefix_cache_finds_blocks_this_step_completes_until_it_is_recorded():
     assert num_cached == 0  # nothing was marked computed
 
 
+def test_a_block_shared_in_its_step_is_cached_once_when_its_holders_name_its_prefix_differently():
+    """Found by the scheduler's soak test: B holds an uncached copy of a block whose cache entry
+    is then evicted; C, admitted in the step B computes its next block, shares both blocks of
+    B. Recording the step, B chains that next block through the evicted entry and C through a
+    new one: the block keeps its first entry, and the cache stays sound."""
+    t0, t1 = (1, 2, 3, 4), (5, 6, 7, 8)
+    state = bm.initial_state(make_config(num_device_blocks=6, **CACHING))
+    a, b = make_group(t0 + (9,)).seqs[0], make_group(t0 + t1 + (9,), first_seq_id=1).seqs[0]
+    state = bm.allocate(bm.allocate(state, make_group(a.token_ids))[0], make_group(b.token_ids, first_seq_id=1))[0]
+    state = bm.mark_computed(state, [computed(a), dataclasses.replace(b, num_computed_tokens=4)])
+    assert state.prefix_cache.by_block.keys() == {0}  # B's copy of t0, block 2, stays uncached
+    state = bm.free(state, a.seq_id)
+    state, _ = bm.allocate(state, make_group(range(20, 29), first_seq_id=3))  # takes all, evicting block 0
+    state = bm.free(state, 3)
+    assert not state.prefix_cache.by_block
+    state = bm.mark_scheduled(state, b, b.len)
+    c = make_group(t0 + t1 + (7,), first_seq_id=2)
+    state, num_cached = bm.allocate(state, c)
+    assert num_cached == 8 and bm.block_table(state, 2)[:2] == bm.block_table(state, 1)[:2] == (2, 3)
+    state = bm.mark_computed(state, [computed(b), computed(c.seqs[0])])
+    assert sorted(state.prefix_cache.by_block) == [2, 3]
+    _, num_cached = bm.allocate(state, make_group(t0 + t1 + (6,), first_seq_id=4))
+    assert num_cached in (4, 8)  # block 3 is named through the evicted entry: found or not, never wrong
+
+
 def test_resetting_the_prefix_cache_frees_its_blocks():
     state, _ = admit_and_compute(bm.initial_state(make_config(num_device_blocks=4, **CACHING)), range(9), 0)
     state = bm.reset_prefix_cache(bm.free(state, 0))
