@@ -165,6 +165,7 @@ def insert_chains(
             if key in by_key:
                 parent = by_key[key].entry_id
             elif block in by_block:
+                assert by_block[block].key[1] == token_ids, f"block {block} is cached with other tokens"
                 parent = by_block[block].entry_id
             else:
                 by_key[key] = by_block[block] = CachedBlock(entry_id=next_id, block=block, key=key)
