@@ -135,8 +135,8 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead, Ahead 
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(panel.out + (row + r) * panel.n + 16 * j, sum[r][j]);
 }
 
-// Rows first .. last of a panel, in register tiles, requesting the lines of panel `next`
-// (if any) along the way.
+// Rows first .. last of a panel (first < last), in register tiles, requesting the lines of
+// panel `next` (if any) along the way.
 void rows(const Product& p, const Panel& panel, int64_t first, int64_t last, const Panel* next) {
   const int64_t tiles = (last - first + kRows - 1) / kRows, lines = next ? p.steps * kPanel * 4 / 64 : 0;
   const int64_t per_tile = (lines + tiles - 1) / tiles;
@@ -225,10 +225,11 @@ void run(Product p, ffi::ThreadPool& pool) {
   // to 114, 281 and 192: the share of the call a worker waited fell from 11-17% to 3-13%.
   if (!shared->by_block && shared->row_groups == 1 && panels % workers && tiles >= 2 * workers) {
     shared->split_panel = panels - panels % workers;
-    shared->split_parts = workers;
     shared->split_rows = (tiles + workers - 1) / workers * kRows;
+    // As many parts as hold rows: 9 tiles for 4 workers make 3 parts of 3 tiles, not 4.
+    shared->split_parts = (shared->p.m + shared->split_rows - 1) / shared->split_rows;
     shared->split_from = shared->split_panel;
-    shared->total = shared->split_from + panels % workers * workers;
+    shared->total = shared->split_from + panels % workers * shared->split_parts;
   }
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, workers] { run_items(*shared, workers); });
