@@ -63,13 +63,17 @@ def memory_bandwidth(gigabytes: float = 0.5) -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads: every parameter once, but the token embeddings
-    only when they are the head too (otherwise a step reads one row of them; with packed
-    weights a tied embedding has a packed copy as the head), and none of the RoPE tables
-    (a row each)."""
+    """Bytes of weights one greedy decode step reads: every parameter once, but the token
+    embeddings only when they are the head too (otherwise a step reads one row of them; with
+    packed weights a tied embedding has a packed copy as the head), a float32 head's bfloat16
+    screen instead of the head where it has one (:func:`pallas_paged.argmax_head`: a greedy
+    step reads the screen, and a few of the head's rows), and none of the RoPE tables (a row
+    each)."""
     params = llm.engine.runner.params
     read = {key: value for key, value in params.items()
             if key != "rope" and (key != "embed" or "lm_head" not in params)}
+    if "screen" in read.get("lm_head", {}):
+        read["lm_head"] = {key: value for key, value in read["lm_head"].items() if key != "w"}
     return sum(leaf.nbytes for leaf in jax.tree.leaves(read))
 
 

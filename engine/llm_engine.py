@@ -334,7 +334,8 @@ class LLMEngine:
         """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
         which wait for the logits); None when nothing samples."""
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
-        inputs = self.runner.prepare(works, logits_tokens)
+        argmax_only = not prompt_rows and step_sampling.argmax_suffices(rows)
+        inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
         logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
         if prompt_rows:

@@ -45,8 +45,8 @@ def _pick(config, x, rows):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _head(config, params, h):
-    return models.stages(config).head(params, h, jax.numpy.arange(h.shape[0]))
+def _head(config, params, h, argmax_rows):
+    return models.stages(config).head(params, h, jax.numpy.arange(h.shape[0]), argmax_rows)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)

@@ -126,9 +126,11 @@ class ModelRunner:
         # to a prompt.
         self.logits_buckets = powers_of_two(_min_rows(params), max_num_seqs, factor=4)
 
-    def prepare(self, works: Sequence[ScheduledGroupWork], logits_tokens: Sequence[int]) -> StepInputs:
+    def prepare(self, works: Sequence[ScheduledGroupWork], logits_tokens: Sequence[int], *,
+                argmax_only: bool = False) -> StepInputs:
         """Padded arrays for ``works``; ``logits_tokens`` are indices (into the concatenated
-        tokens of ``works``) whose logits are wanted."""
+        tokens of ``works``) whose logits are wanted; ``argmax_only``: of those, only each one's
+        arg-max (``Metadata.argmax_rows``)."""
         num_tokens = sum(len(work.token_ids) for work in works)
         decode_only = num_tokens == len(works)
         if decode_only:
@@ -158,8 +160,10 @@ class ModelRunner:
             self.token_buckets if len(logits_tokens) > self.max_num_seqs else self.logits_buckets)
         logits_rows = np.zeros(min(bucket(sizes, max(len(logits_tokens), 1)), num_padded), np.int32)
         logits_rows[: len(logits_tokens)] = logits_tokens
+        argmax_rows = np.int32(len(logits_tokens) if argmax_only else 0)
         metadata = Metadata(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
-                            query_start_loc=query_start_loc, logits_indices=_NO_ROWS, decode_only=decode_only)
+                            query_start_loc=query_start_loc, logits_indices=_NO_ROWS, argmax_rows=argmax_rows,
+                            decode_only=decode_only)
         inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens), pick)
         return jax.device_put(inputs, self._inputs)
 
@@ -198,7 +202,7 @@ class ModelRunner:
             x, kv_cache = layer(layer_params, x, positional, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
         h = call("pick", x, inputs.logits_rows) if inputs.pick else x
-        return call("head", self.outer_params, h), new_caches
+        return call("head", self.outer_params, h, inputs.metadata.argmax_rows), new_caches
 
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
@@ -225,7 +229,7 @@ class ModelRunner:
                                      sharding=inputs.input_ids.sharding)
             calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
                       ("layer", self.config, self.mesh, (layer_params, x, positional, inputs.metadata, kv_cache)),
-                      ("head", self.config, self.mesh, (params, h))]
+                      ("head", self.config, self.mesh, (params, h, inputs.metadata.argmax_rows))]
             if inputs.pick:
                 calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))
         compiled = programs.compile_all(calls)

@@ -100,6 +100,21 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     )
 
 
+def argmax_suffices(rows: list[Row]) -> bool:
+    """Whether the sampler takes nothing but each row's arg-max of the model's logits: every row
+    greedy, without penalties, logit biases, banned or allowed tokens, and without
+    log-probabilities (what :func:`batch_for` then switches off). The head may then compute
+    exactly only the logits that can be the largest (``models.Metadata.argmax_rows``)."""
+    return bool(rows) and all(_argmax_suffices(row) for row in rows)
+
+
+def _argmax_suffices(row: Row) -> bool:
+    request, p = row.request, row.request.params
+    return (isinstance(p, SamplingParams) and p.greedy and not request.tracks_logprob
+            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+            and not p.logit_bias and not len(p.allowed_array) and not request.banned_tokens(row.seq_id))
+
+
 def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
     """Sample every row; returns numpy arrays (tokens, logprobs, top tokens, top logprobs).
 

@@ -42,7 +42,9 @@ class Stages(NamedTuple):
     ``positional`` is what the layers need to know of the positions, computed once a step
     (LLaMA: the RoPE cos and sin tables; OPT: nothing);
     layer(layer_params, x, positional, metadata, kv_cache) → (x, kv_cache), the same
-    function for every layer; head(params, x, rows[L]) → float32 logits [L, vocab].
+    function for every layer; head(params, x, rows[L], argmax_rows=None) → float32 logits
+    [L, vocab], those of rows below ``argmax_rows`` (int32 []) possibly exact only where they
+    may be the row's largest (see ``Metadata.argmax_rows``).
     """
 
     embed: Callable
@@ -75,6 +77,6 @@ def forward_fn(config: ModelConfig):
         for layer_params, kv_cache in zip(params["layers"], kv_caches, strict=True):
             x, kv_cache = layer(layer_params, x, positional, metadata, kv_cache)
             new_caches.append(kv_cache)
-        return head(params, x, metadata.logits_indices), new_caches
+        return head(params, x, metadata.logits_indices, metadata.argmax_rows), new_caches
 
     return forward

@@ -50,8 +50,9 @@ def linears(x, ps) -> list:
 def packed_for_cpu(params, *, consume: bool = False):
     """``params`` with every linear weight :func:`pallas_paged.packable` packed for the native
     CPU product, and a tied embedding given a packed copy of itself as the head
-    (``"lm_head"``: for SmolLM2, 57 MB more in bfloat16, 113 MB in float32); the same params
-    where nothing packs.
+    (``"lm_head"``: for SmolLM2, 57 MB more in bfloat16, 113 MB in float32, and in float32 a
+    bfloat16 screen for steps that take only arg-maxes, :func:`pallas_paged.argmax_screen`, 57 MB
+    more); the same params where nothing packs.
 
     ``consume``: pack in ``params``' own dicts and lists, and return them. A weight's last
     reference then goes as soon as its packed copy exists, so loading peaks at about one
@@ -71,6 +72,8 @@ def packed_for_cpu(params, *, consume: bool = False):
     packed = visit(params)
     if "lm_head" not in packed and pallas_paged.packable(packed["embed"].T):
         packed["lm_head"] = {"w": pallas_paged.pack(packed["embed"].T)}
+        if pallas_paged.screenable(packed["embed"]):  # float32: 57 MB more for SmolLM2
+            packed["lm_head"].update(pallas_paged.argmax_screen(packed["embed"]))
     return packed
 
 
@@ -159,9 +162,16 @@ def gated_mlp(p, x):
     return linear(pallas_paged.gated_matmul(x, p["gate"]["w"], p["up"]["w"]), p["down"])
 
 
-def logits(params, h):
-    """Vocabulary logits. h: [L, hidden'] → float32[L, vocab], tied to ``params["embed"]`` without an lm_head."""
+def logits(params, h, argmax_rows=None):
+    """Vocabulary logits. h: [L, hidden'] → float32[L, vocab], tied to ``params["embed"]`` without an lm_head.
+
+    argmax_rows: int32 [] or None. Rows below it need only their arg-max: where the head has a
+    screen (a tied float32 head packed for the CPU, :func:`pallas_paged.argmax_head`), their
+    logits are exact only where they may be the largest, -inf elsewhere, and the rows from it
+    on are padding; elsewhere, or when it is 0 or None, every logit is exact."""
     if "lm_head" in params:
+        if argmax_rows is not None and "screen" in params["lm_head"]:
+            return pallas_paged.argmax_head(h, params["lm_head"], params["embed"], argmax_rows)
         return linear(h, params["lm_head"])
     return pallas_paged.matmul(h, params["embed"], transposed=True)  # embed: [vocab, hidden], no copy
 

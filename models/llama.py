@@ -44,10 +44,11 @@ def layer(config: ModelConfig, p, x, rope, metadata, kv_cache):
     return x + layers.gated_mlp(p, h), kv_cache
 
 
-def head(config: ModelConfig, params, x, rows):
-    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]."""
+def head(config: ModelConfig, params, x, rows, argmax_rows=None):
+    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]; with
+    argmax_rows (int32 []), rows below it may hold only their arg-max exactly (:func:`layers.logits`)."""
     h = layers.rms_norm(x[rows], params["final_norm"], config.rms_norm_eps)
-    return layers.logits(params, h)
+    return layers.logits(params, h, argmax_rows)
 
 
 def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], put: Callable):

@@ -1,4 +1,4 @@
-"""Per-step attention metadata: where each token's KV goes and which blocks it reads.
+"""Per-step metadata: where each token's KV goes, which blocks it reads, and what the head returns.
 
 Built by the runner, consumed by every attention layer of one forward pass.
 """
@@ -29,6 +29,10 @@ class Metadata:
       its context); tokens past ``query_start_loc[-1]`` are padding.
     logits_indices: int32[L], the tokens whose logits are returned (the last
       token of each sequence, or every prompt token for prompt logprobs).
+    argmax_rows: int32[] or None: the first ``argmax_rows`` logits rows are
+      sampled by their arg-max alone and the rest are padding, so a head that
+      can (``models.layers.logits``) computes exact logits only where they may
+      be a row's largest; 0 or None when every logit is wanted.
     decode_only: static; every sequence has exactly one token this step and
       T == S, so the decode kernel is used instead of the ragged one.
     """
@@ -38,6 +42,7 @@ class Metadata:
     context_lens: jax.Array
     query_start_loc: jax.Array
     logits_indices: jax.Array
+    argmax_rows: jax.Array | None = None
     decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
     def write_and_attend(self, q, k, v, kv_cache, *, scale):

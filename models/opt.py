@@ -37,14 +37,15 @@ def layer(config: ModelConfig, p, x, positional, metadata, kv_cache):
     return _block(config, p, x, metadata, kv_cache)
 
 
-def head(config: ModelConfig, params, x, rows):
-    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]."""
+def head(config: ModelConfig, params, x, rows, argmax_rows=None):
+    """Logits of the tokens ``rows``. x: [T, hidden]; rows: int32[L] → float32[L, vocab]; with
+    argmax_rows (int32 []), rows below it may hold only their arg-max exactly (:func:`layers.logits`)."""
     h = x[rows]
     if "final_norm" in params:
         h = layers.layer_norm(h, params["final_norm"])
     if "project_out" in params:
         h = layers.linear(h, params["project_out"])
-    return layers.logits(params, h)
+    return layers.logits(params, h, argmax_rows)
 
 
 def _block(config: ModelConfig, p, x, metadata, kv_cache):

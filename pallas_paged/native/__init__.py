@@ -41,6 +41,7 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("paged_atten
 TARGET = "pallas_paged_ragged_attention"
 MATMUL_TARGET = "pallas_paged_matmul"
 GATED_MATMUL_TARGET = "pallas_paged_gated_matmul"
+ARGMAX_HEAD_TARGET = "pallas_paged_argmax_head"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp-simd", "-fno-math-errno")  # then linked -shared
 BUILD_TIMEOUT_SECONDS = 300
 KEPT_BUILDS = 4  # in the cache directory, newest first (see _prune)
@@ -147,6 +148,8 @@ def load() -> ctypes.CDLL:
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedMatmul), platform="cpu")
             jax.ffi.register_ffi_target(GATED_MATMUL_TARGET, jax.ffi.pycapsule(library.PallasPagedGatedMatmul),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(ARGMAX_HEAD_TARGET, jax.ffi.pycapsule(library.PallasPagedArgmaxHead),
+                                        platform="cpu")
             _library = library
         return _library
 
@@ -199,6 +202,23 @@ def gated_matmul(x, gate, up):
     load()
     shape = jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * gate.shape[2]), np.float32)
     return jax.ffi.ffi_call(GATED_MATMUL_TARGET, (shape,), vmap_method="sequential")(x, gate, up)[0]
+
+
+def argmax_head(x, exact, screen, rows, norms, argmax_rows):
+    """A float32 head that can give only each row's arg-max exactly (see ``matmul.cc``), in one call.
+
+    x: float32 [M, K]; exact: the head packed in float32, [N/64, K, 64]; screen: packed in
+    bfloat16, uint32 [N/64, K/2, 64]; rows: the head's columns in memory order, float32
+    [N, K] (a tied embedding); norms: float32 [N], the Euclidean norm of each of ``rows``;
+    argmax_rows: int32 [], taken at run time. Returns float32 [M, N]: with argmax_rows 0,
+    x @ head exactly as :func:`matmul` computes it; otherwise, in rows below argmax_rows,
+    those logits where they may be the row's largest and -inf elsewhere, and zeros in the
+    rows from argmax_rows on. Check :func:`matmul_available` first.
+    """
+    load()
+    shape = jax.ShapeDtypeStruct((x.shape[0], exact.shape[0] * exact.shape[2]), np.float32)
+    return jax.ffi.ffi_call(ARGMAX_HEAD_TARGET, shape, vmap_method="sequential")(
+        x, x.astype(jax.numpy.bfloat16), exact, screen, rows, norms, jax.numpy.asarray(argmax_rows, np.int32))
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):

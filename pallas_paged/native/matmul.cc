@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -54,6 +55,16 @@ struct Panel {
   float* out;                    // the panel's first column of row 0 of its weight's [M, n] output
   int64_t n;                     // that output's row stride
   const uint32_t* up = nullptr;  // a gated product's up panel of the same columns: out = silu(x @ w) * (x @ up)
+  // A screened head's panel (see argmax_head): its 64 columns' norms, and where each row's
+  // largest sum - bound and sum + bound over them go (row r's at extremes[r * stride]).
+  const float* norms = nullptr;
+  float* extremes = nullptr;
+};
+
+// A screened head's bounds: column j's bound in row r is per_norm[r] * norms[j] + fixed[r].
+struct Bounds {
+  std::vector<float> per_norm, fixed;
+  int64_t stride = 0;  // of Panel::extremes, floats per row
 };
 
 struct Product {
@@ -61,6 +72,7 @@ struct Product {
   std::vector<Panel> panels;  // of every weight, in order
   int64_t m, steps;           // steps = K / 2 for bfloat16, K for float32
   bool f32;                   // float32 x and weights
+  const Bounds* bounds = nullptr;  // a screened head's
 };
 
 #if defined(__AVX512BF16__)
@@ -117,6 +129,24 @@ inline __m512 silu(__m512 x) {
   return _mm512_mul_ps(x, _mm512_div_ps(one, _mm512_add_ps(one, _mm512_scalef_ps(poly, n))));
 }
 
+// A screened head's tile (see argmax_head): each row's largest sum - bound and sum + bound
+// over the panel's columns, from the sums in registers, so no pass over the logits is needed.
+template <int R>
+void record_extremes(const Product& p, const Panel& panel, int64_t row, const __m512 (&sum)[R][4]) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 per = _mm512_set1_ps(p.bounds->per_norm[row + r]), fixed = _mm512_set1_ps(p.bounds->fixed[row + r]);
+    __m512 low = _mm512_set1_ps(-INFINITY), high = low;
+    for (int j = 0; j < 4; ++j) {
+      const __m512 bound = _mm512_fmadd_ps(per, _mm512_loadu_ps(panel.norms + 16 * j), fixed);
+      low = _mm512_max_ps(low, _mm512_sub_ps(sum[r][j], bound));
+      high = _mm512_max_ps(high, _mm512_add_ps(sum[r][j], bound));
+    }
+    float* extremes = panel.extremes + (row + r) * p.bounds->stride;
+    extremes[0] = _mm512_reduce_max_ps(low);
+    extremes[1] = _mm512_reduce_max_ps(high);
+  }
+}
+
 // out[row : row + R, panel's columns] = x[row : row + R] @ panel, or for a gated panel
 // silu(x @ panel) * (x @ up), the gate's sums kept in L1 while the up panel's accumulate.
 template <int R, bool kF32>
@@ -131,6 +161,7 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead, Ahead 
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_mul_ps(silu(_mm512_load_ps(gate[r] + 16 * j)), sum[r][j]);
   }
+  if (panel.extremes) record_extremes<R>(p, panel, row, sum);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(panel.out + (row + r) * panel.n + 16 * j, sum[r][j]);
 }
@@ -237,7 +268,165 @@ void run(Product p, ffi::ThreadPool& pool) {
   while (shared->done.load(std::memory_order_acquire) < shared->total) std::this_thread::yield();
 }
 
+// -- A head for steps that only take each row's arg-max ------------------------------------
+//
+// A float32 head's product is about an eighth of a float32 decode step (8.7 of 61 ms for 32
+// rows of SmolLM2). A greedy step needs only each row's largest logit, so it multiplies a
+// bfloat16 copy of the head (half the arithmetic and half the bytes), and computes exactly
+// only the columns that could hold the largest:
+//
+// |exact_j - approx_j| <= c_K * ||h||_2 * ||w_j||_2, for approx_j the VDPBF16PS sum of
+// bfloat16(h) and bfloat16(w_j) and exact_j the float32 kernel's. Rounding h and w_j to
+// bfloat16 (8 significant bits, round to nearest, u = 2^-8) moves each product h_i w_ij by at
+// most (2u + u^2) |h_i w_ij|; each float32 sum of K terms, rounded at most K times, is off
+// by at most gamma_K = K 2^-24 / (1 - K 2^-24) of the sum of its terms' sizes, and the
+// bfloat16 terms' sizes are at most (1 + 2u + u^2) |h_i w_ij|. Together that is
+// (2u + u^2 + gamma_K (2 + 2u + u^2)) sum_i |h_i w_ij|, which Cauchy-Schwarz bounds by
+// ||h|| ||w_j||: 0.00790 for SmolLM2's K = 576. c_K is that and 2.5% more, for the float32
+// rounding of the norms, the bounds and the comparisons below (each relative 2^-22 at most
+// of a size no more than ||h|| times the largest column's norm). VDPBF16PS counts inputs
+// below 2^-126 as zero and flushes sums below it, each then at most 2^-126 off: a small fixed
+// term covers those.
+//
+// With bound_j that bound, every column j whose approx_j + bound_j reaches
+// L = max_i (approx_i - bound_i) is a candidate: the largest exact logit is at least L, so
+// every column that holds it, ties included, is one, and every other column's approx_j is
+// below it. The tiles record each row's largest approx - bound and approx + bound per panel
+// (record_extremes), so only the panels that can hold a candidate are read again. Each
+// candidate's logit is computed as the float32 kernel computes it, one fused multiply-add per
+// step of K, in order from zero, from the head's rows in memory order (a tied embedding), so
+// it is bitwise the full product's; the other columns keep approx_j. The arg-max of the row,
+// ties to the lowest index, is then the full product's.
+
+// c_K (see above).
+double screen_factor(int64_t k) {
+  const double u = 0x1p-8, gamma = k * 0x1p-24 / (1 - k * 0x1p-24);
+  return 1.025 * (2 * u + u * u + gamma * (2 + 2 * u + u * u));
+}
+
+// More candidates than this in a row (a flat distribution, or a row of zeros), and the row is
+// computed in full instead: candidates cost a row of the head each.
+constexpr int64_t kMaxCandidates = 512;
+
+// The head's columns given by their rows: out[c] = sum_s h[s] * rows[c][s], fused
+// multiply-adds in order from s = 0 (as a float32 tile's lanes), eight independent chains.
+void exact_columns(const float* h, const float* rows, int64_t k, const std::vector<int64_t>& columns, float* out) {
+  constexpr int kChains = 8;
+  for (size_t first = 0; first < columns.size(); first += kChains) {
+    const int count = int(std::min<size_t>(kChains, columns.size() - first));
+    const float* w[kChains];
+    float sum[kChains] = {};
+    for (int c = 0; c < kChains; ++c) w[c] = rows + columns[first + std::min(c, count - 1)] * k;
+    for (int64_t s = 0; s < k; ++s)
+      for (int c = 0; c < kChains; ++c) sum[c] = std::fma(h[s], w[c][s], sum[c]);
+    for (int c = 0; c < count; ++c) out[columns[first + c]] = sum[c];
+  }
+}
+
+// Row `row` of the full float32 product, as `run` computes it.
+void exact_row(const Product& exact, int64_t row) {
+  for (const Panel& panel : exact.panels) tile<1, true>(exact, panel, row, Ahead{}, Ahead{});
+}
+
+// Each row's bound terms (see above) from x float32 [M, K]; a row that is not finite gets NaN.
+Bounds bounds_of(const float* x, int64_t m, int64_t k, int64_t stride) {
+  Bounds bounds{std::vector<float>(m), std::vector<float>(m), stride};
+  const double factor = screen_factor(k), root_k = std::sqrt(double(k)), tiny = 0x1p-100;
+  for (int64_t row = 0; row < m; ++row) {
+    double squares = 0;
+    for (int64_t s = 0; s < k; ++s) squares += double(x[row * k + s]) * x[row * k + s];
+    const double norm = std::sqrt(squares);
+    bounds.per_norm[row] = float(factor * norm + tiny * root_k);
+    bounds.fixed[row] = std::isfinite(norm) ? float(tiny * (root_k * norm + 2 * k)) : NAN;
+  }
+  return bounds;
+}
+
+// Row `row` of out [M, n] holds the approximate logits, and extremes [M, n / 64, 2] the
+// tiles' (record_extremes): compute the candidates' logits exactly (see above).
+void screen_row(const Product& exact, const Bounds& bounds, const float* extremes, const float* rows,
+                const float* norms, int64_t row, float* out, int64_t n) {
+  const int64_t k = exact.steps, panels = n / kPanel;
+  const float* h = reinterpret_cast<const float*>(exact.x) + row * k;
+  const float* row_extremes = extremes + row * bounds.stride;
+  float least_max = -INFINITY;  // the least the largest exact logit can be
+  bool finite = std::isfinite(bounds.fixed[row]);
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    least_max = std::max(least_max, row_extremes[2 * panel]);
+    finite = finite && std::isfinite(row_extremes[2 * panel]) && !std::isnan(row_extremes[2 * panel + 1]);
+  }
+  std::vector<int64_t> candidates;
+  float* logits = out + row * n;
+  for (int64_t panel = 0; finite && panel < panels && int64_t(candidates.size()) <= kMaxCandidates; ++panel) {
+    if (!(row_extremes[2 * panel + 1] >= least_max)) continue;
+    for (int64_t j = panel * kPanel; j < (panel + 1) * kPanel; ++j)
+      if (logits[j] + std::fma(bounds.per_norm[row], norms[j], bounds.fixed[row]) >= least_max) candidates.push_back(j);
+  }
+  if (!finite || int64_t(candidates.size()) > kMaxCandidates) return exact_row(exact, row);
+  exact_columns(h, rows, k, candidates, logits);
+}
+
 #endif  // __AVX512BF16__
+
+// A float32 head (see above): x float32 [M, K]; x_bf16, x in bfloat16; exact, the head packed
+// in float32 [N/64, K, 64]; screen, in bfloat16 pairs, uint32 [N/64, K/2, 64]; rows, the head's
+// columns in memory order, float32 [N, K] (a tied embedding); norms, float32 [N], each row's
+// Euclidean norm; argmax_rows, int32 []. Returns float32 [M, N]: with argmax_rows 0, x @ head,
+// the plain product's; otherwise rows below argmax_rows exact where they may be the row's
+// largest and the bfloat16 product's elsewhere (below it), and zeros from argmax_rows on.
+using F32Vector = ffi::Buffer<ffi::F32, 1>;
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+using BF16Matrix = ffi::Buffer<ffi::BF16, 2>;
+using F32Panels = ffi::Buffer<ffi::F32, 3>;
+using PairPanels = ffi::Buffer<ffi::U32, 3>;
+using Int32Scalar = ffi::Buffer<ffi::S32, 0>;
+
+ffi::Error argmax_head(ffi::ThreadPool pool, F32Matrix x, BF16Matrix x_bf16, F32Panels exact, PairPanels screen,
+                       F32Matrix rows, F32Vector norms, Int32Scalar argmax_rows, ffi::Result<F32Matrix> out) {
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], panels = exact.dimensions()[0], n = panels * kPanel;
+  const int64_t screened = *argmax_rows.typed_data();
+  if (x_bf16.dimensions()[0] != m || x_bf16.dimensions()[1] != k || k % 2 || exact.dimensions()[1] != k || exact.dimensions()[2] != 64 ||
+      screen.dimensions()[0] != panels || screen.dimensions()[1] != k / 2 || screen.dimensions()[2] != 64 ||
+      rows.dimensions()[0] != n || rows.dimensions()[1] != k || norms.dimensions()[0] != n ||
+      out->dimensions()[0] != m || out->dimensions()[1] != n)
+    return ffi::Error::InvalidArgument("argmax head: needs x [M, K] (K even) twice, float32 and bfloat16, the head "
+                                       "packed [N/64, K, 64] and [N/64, K/2, 64], its rows [N, K], their norms [N] "
+                                       "and a result [M, N]");
+  if (screened < 0 || screened > m)
+    return ffi::Error::InvalidArgument("argmax head: argmax_rows must be between 0 and the rows of x");
+#if defined(__AVX512BF16__)
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  float* logits = out->typed_data();
+  const auto panels_of = [&](const uint32_t* w, int64_t steps) {
+    std::vector<Panel> list;
+    for (int64_t panel = 0; panel < panels; ++panel) list.push_back({w + panel * steps * kPanel, logits + panel * kPanel, n});
+    return list;
+  };
+  const Product full{reinterpret_cast<const uint32_t*>(x.typed_data()),
+                     panels_of(reinterpret_cast<const uint32_t*>(exact.typed_data()), k), m, k, true};
+  if (screened == 0 || k == 0) {
+    if (k == 0) std::fill(logits, logits + m * n, 0.0f);
+    else run(full, pool);
+    return ffi::Error::Success();
+  }
+  const Bounds bounds = bounds_of(x.typed_data(), screened, k, 2 * panels);
+  std::vector<float> extremes(screened * bounds.stride);
+  Product approx{reinterpret_cast<const uint32_t*>(x_bf16.typed_data()), panels_of(screen.typed_data(), k / 2),
+                 screened, k / 2, false, &bounds};
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    approx.panels[panel].norms = norms.typed_data() + panel * kPanel;
+    approx.panels[panel].extremes = extremes.data() + 2 * panel;
+  }
+  run(std::move(approx), pool);
+  for (int64_t row = 0; row < screened; ++row)
+    screen_row(full, bounds, extremes.data(), rows.typed_data(), norms.typed_data(), row, logits, n);
+  std::fill(logits + screened * n, logits + m * n, 0.0f);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("argmax head: built for a CPU without AVX512-BF16");
+#endif
+}
+
 
 // x, then the packed weights; one float32 [M, N_j] result per weight. x bfloat16 with uint32
 // weights [N/64, K/2, 64], or x float32 with float32 weights [N/64, K, 64]. Gated: the weights
@@ -314,3 +503,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedGatedMatmul, gated_matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedArgmaxHead, argmax_head,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<BF16Matrix>()
+                                  .Arg<F32Panels>()
+                                  .Arg<PairPanels>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<F32Vector>()
+                                  .Arg<Int32Scalar>()
+                                  .Ret<F32Matrix>());

@@ -14,7 +14,9 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import jax.numpy as jnp
 from engine import BeamSearchParams, Logprob, SamplingParams
+from engine import step_sampling
 from engine.config import EngineConfig
+from engine.requests import RequestState, SeqProgress
 from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
 from tests.engine.tiny import prompts, tiny_llm
 
@@ -390,3 +392,41 @@ def test_allowed_token_ids_are_the_only_tokens_generated(llm_and_hf):
     assert {t for c in outputs[2].outputs for t in c.token_ids} - set(allowed)
     (refused,) = llm.generate([prompt], SamplingParams(allowed_token_ids=[hf.config.vocab_size]), use_tqdm=False)
     assert "allowed_token_ids token ids" in refused.error
+
+
+def _request(params, generated=(), bad_word_ids=()) -> RequestState:
+    request = RequestState("r", None, (1, 2), params, seed=0, max_tokens=8, eos_token_ids=(0,),
+                           bad_word_ids=bad_word_ids)
+    request.seqs = {0: SeqProgress(index=0, token_ids=list(generated))}
+    return request
+
+
+@pytest.mark.parametrize("params, generated, bad_word_ids, suffices", [
+    (SamplingParams(temperature=0), (), (), True),
+    (SamplingParams(temperature=0, min_tokens=2), (5, 6), (), True),  # min_tokens reached: EOS no longer banned
+    (SamplingParams(temperature=0, min_tokens=2), (5,), (), False),
+    (SamplingParams(temperature=0), (), ((9,),), False),
+    (SamplingParams(temperature=0, logprobs=0), (), (), False),
+    (SamplingParams(temperature=0, repetition_penalty=1.2), (), (), False),
+    (SamplingParams(temperature=0, presence_penalty=0.5), (), (), False),
+    (SamplingParams(temperature=0, logit_bias={5: 1.0}), (), (), False),
+    (SamplingParams(temperature=0, allowed_token_ids=[1, 2]), (), (), False),
+    (SamplingParams(temperature=0.8), (), (), False),
+    (SamplingParams(temperature=0.8, n=2, best_of=3), (), (), False),
+    (BeamSearchParams(beam_width=2, max_tokens=4), (), (), False),
+])
+def test_the_head_may_skip_exact_logits_only_when_the_sampler_takes_the_arg_max(params, generated, bad_word_ids,
+                                                                                 suffices):
+    """A step whose rows are all plain greedy lets the head compute exactly only the logits that
+    can be largest (``Metadata.argmax_rows``); any penalty, bias, banned or allowed token,
+    temperature or log-probability needs them all. The sampler's own switches agree."""
+    rows = [step_sampling.Row(0, _request(params, generated, bad_word_ids), 0)]
+    assert step_sampling.argmax_suffices(rows) is suffices
+    batch = step_sampling.batch_for(rows, 0, 64)
+    plain = (batch.all_greedy and not batch.penalties and not batch.logprobs and not batch.ranks
+             and not batch.num_top_logprobs and not batch.banned.shape[1] and not batch.bias_tokens.shape[1]
+             and not batch.allowed.shape[1])
+    assert plain is suffices
+    assert not step_sampling.argmax_suffices(rows + [step_sampling.Row(0, _request(SamplingParams(temperature=0.8)),
+                                                                       0)])
+    assert not step_sampling.argmax_suffices([])

@@ -128,3 +128,70 @@ def test_gated_product_over_the_tails_of_silu():
     want = jax.nn.silu(x) * (2 * x)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, jnp.broadcast_to(want, got.shape), rtol=1e-6, atol=1e-30)
+
+
+def _tied_head(embed):
+    """A tied float32 embedding [N, K] as the engine packs its head."""
+    return {"w": pallas_paged.pack(embed.T), **pallas_paged.argmax_screen(embed)}
+
+
+def _argmax_head(x, embed, argmax_rows) -> np.ndarray:
+    return np.asarray(jax.jit(pallas_paged.argmax_head)(x, _tied_head(embed), embed, np.int32(argmax_rows)))
+
+
+def _embedding_with_ties(rng, n: int = 4096, k: int = 576) -> np.ndarray:
+    """Random rows, and near the front copies of row 7: exact (100) and a float32 rounding or
+    so apart (200, 300), which a bfloat16 product cannot tell apart."""
+    embed = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    embed[100] = embed[7]
+    embed[200] = embed[7] * np.float32(1 + 2**-22)
+    embed[300] = np.nextafter(embed[7], np.float32(1))
+    return embed
+
+
+@pytest.mark.parametrize("m, argmax_rows", [(1, 1), (5, 3), (32, 32), (40, 37)])
+def test_argmax_head_keeps_the_full_products_largest_logits_bitwise(m, argmax_rows):
+    """Rows below argmax_rows hold the full product's largest logit bitwise in exactly the
+    columns that hold it there (so ties go to the same first one), the rest within the proven
+    bound of the full product's; rows from argmax_rows on are zeros; with 0, the full product."""
+    rng = np.random.default_rng(m)
+    embed = _embedding_with_ties(rng)
+    x = rng.standard_normal((m, 576)).astype(np.float32)
+    x[::2] = embed[7] * 40 + rng.standard_normal((len(x[::2]), 576)).astype(np.float32) * 0.01  # row 7's copies lead
+    full = np.asarray(pallas_paged.matmul(x, pallas_paged.pack(embed.T)))
+    np.testing.assert_array_equal(_argmax_head(x, embed, 0), full)
+    got = _argmax_head(x, embed, argmax_rows)
+    bound = 0.0081 * np.linalg.norm(x, axis=1, keepdims=True) * np.linalg.norm(embed, axis=1)
+    for row in range(argmax_rows):
+        largest = full[row].max()
+        np.testing.assert_array_equal(np.flatnonzero(got[row] == got[row].max()), np.flatnonzero(full[row] == largest))
+        assert got[row].max() == largest
+        assert np.all(np.abs(got[row] - full[row]) <= bound[row])
+        assert np.count_nonzero(got[row] == full[row]) < 100, "the row should be screened, not computed in full"
+    assert np.all(got[argmax_rows:] == 0)
+    leaders = np.argmax(got[:argmax_rows:2], axis=1)
+    assert set(leaders) <= {7, 200, 300} and len(leaders) > 0
+
+
+def test_argmax_head_computes_rows_without_a_clear_leader_in_full():
+    """A row of zeros (every logit ties at 0), a row whose largest logits 1000 columns come
+    within a rounding of, and a row that is not finite: each computed in full (too many
+    candidates to screen, or no bound), as the full product does; a plain row is screened."""
+    rng = np.random.default_rng(3)
+    embed = _embedding_with_ties(rng)
+    embed[1000:2000] = embed[7]
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    x[0] = 0
+    x[1] = embed[7] * 40
+    x[2, 5] = np.inf
+    full = np.asarray(pallas_paged.matmul(x, pallas_paged.pack(embed.T)))
+    got = _argmax_head(x, embed, 4)
+    np.testing.assert_array_equal(got[:3], full[:3])
+    assert np.count_nonzero(full[1] >= full[1].max() - 1e-3) > 1000  # too many candidates, surely
+    assert np.count_nonzero(got[3] == full[3]) < 100 and np.argmax(got[3]) == np.argmax(full[3])
+
+
+def test_argmax_head_refuses_argmax_rows_past_its_rows():
+    embed = _embedding_with_ties(np.random.default_rng(0), n=512)
+    with pytest.raises(Exception, match="argmax_rows must be between 0 and the rows of x"):
+        _argmax_head(np.ones((2, 576), np.float32), embed, 3)
