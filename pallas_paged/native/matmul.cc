@@ -161,7 +161,8 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead, Ahead 
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_mul_ps(silu(_mm512_load_ps(gate[r] + 16 * j)), sum[r][j]);
   }
-  if (panel.extremes) record_extremes<R>(p, panel, row, sum);
+  if constexpr (!kF32)  // a screened head is bfloat16
+    if (panel.extremes) record_extremes<R>(p, panel, row, sum);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(panel.out + (row + r) * panel.n + 16 * j, sum[r][j]);
 }
