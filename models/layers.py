@@ -167,8 +167,9 @@ def logits(params, h, argmax_rows=None):
 
     argmax_rows: int32 [] or None. Rows below it need only their arg-max: where the head has a
     screen (a tied float32 head packed for the CPU, :func:`pallas_paged.argmax_head`), their
-    logits are exact only where they may be the largest, -inf elsewhere, and the rows from it
-    on are padding; elsewhere, or when it is 0 or None, every logit is exact."""
+    logits are exact only where they may be the largest and a bfloat16 product's (below it)
+    elsewhere, and the rows from it on are padding; elsewhere, or when it is 0 or None, every
+    logit is exact."""
     if "lm_head" in params:
         if argmax_rows is not None and "screen" in params["lm_head"]:
             return pallas_paged.argmax_head(h, params["lm_head"], params["embed"], argmax_rows)

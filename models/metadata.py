@@ -1,6 +1,6 @@
 """Per-step metadata: where each token's KV goes, which blocks it reads, and what the head returns.
 
-Built by the runner, consumed by every attention layer of one forward pass.
+Built by the runner, consumed by every attention layer and the head of one forward pass.
 """
 
 from __future__ import annotations

@@ -129,10 +129,11 @@ def argmax_head(x, head: dict, embed, argmax_rows):
     int32 [], at run time → float32 [L, N].
 
     With argmax_rows 0, ``x @ head``, bitwise :func:`matmul`'s. Otherwise each row below
-    argmax_rows holds its exact logits (bitwise the same) only where they may be the row's
-    largest, within a proven bound of a bfloat16 product, and -inf elsewhere, so its arg-max
-    (ties to the first) is the full product's; rows from argmax_rows on are padding, zeros.
-    A greedy float32 step of 32 SmolLM2 rows spends about half the head's time this way."""
+    argmax_rows holds its exact logits (bitwise the same) only where a proven bound on a
+    bfloat16 product's error says they may be the row's largest, and that product's logits,
+    all below the largest, elsewhere, so its arg-max (ties to the first) is the full
+    product's; rows from argmax_rows on are padding, zeros. SmolLM2's head took 5.7 ms
+    this way against 9.4 ms for 32 rows, and 2.1 against 4.4 ms for one."""
     rows = x.astype(jnp.float32).reshape(-1, x.shape[-1])
     out = native.argmax_head(rows, head["w"], head["screen"], embed, head["norms"], argmax_rows)
     return out.reshape(*x.shape[:-1], out.shape[-1])

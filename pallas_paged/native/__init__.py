@@ -212,8 +212,9 @@ def argmax_head(x, exact, screen, rows, norms, argmax_rows):
     [N, K] (a tied embedding); norms: float32 [N], the Euclidean norm of each of ``rows``;
     argmax_rows: int32 [], taken at run time. Returns float32 [M, N]: with argmax_rows 0,
     x @ head exactly as :func:`matmul` computes it; otherwise, in rows below argmax_rows,
-    those logits where they may be the row's largest and -inf elsewhere, and zeros in the
-    rows from argmax_rows on. Check :func:`matmul_available` first.
+    those logits where they may be the row's largest and a bfloat16 product's (below the
+    largest) elsewhere, and zeros in the rows from argmax_rows on. Check
+    :func:`matmul_available` first.
     """
     load()
     shape = jax.ShapeDtypeStruct((x.shape[0], exact.shape[0] * exact.shape[2]), np.float32)
