@@ -30,21 +30,32 @@ ACTIVATIONS = {
 }
 
 
-def linear(x, p):
+def linear(x, p, *, norm=None, residual=None):
     """x: [T, in] → float32 [T, out] with ``p = {"w": [in, out], "b"?: [out]}``.
 
     The product (:func:`pallas_paged.matmul`) runs in the weights' dtype with float32
     accumulation and a float32 result: activations stay float32 between layers whatever the
     weights are. ``w`` may be packed for the native CPU product (:func:`packed_for_cpu`).
+    norm: (RMSNorm params, eps), applied to x first; residual: [T, out], added to the result.
     """
-    return linears(x, [p])[0]
+    return linears(x, [p], norm=norm, residual=residual)[0]
 
 
-def linears(x, ps) -> list:
-    """``[linear(x, p) for p in ps]``, the products in one call where they can be
-    (:func:`pallas_paged.matmuls`). x: [T, in] → float32 [T, out_j] each."""
-    ys = pallas_paged.matmuls(x, [p["w"] for p in ps])
-    return [y + p["b"].astype(jnp.float32) if "b" in p else y for y, p in zip(ys, ps)]
+def linears(x, ps, *, norm=None, residual=None) -> list:
+    """``[linear(x, p) for p in ps]`` (norm and residual as there, the residual with one p only),
+    in one call where the products can be (:func:`pallas_paged.matmuls`, which takes the norm
+    and the residual into the call without biases). x: [T, in] → float32 [T, out_j] each."""
+    ws = [p["w"] for p in ps]
+    if not any("b" in p for p in ps):
+        return pallas_paged.matmuls(x, ws, **_rms_norm_args(norm), residual=residual)
+    ys = pallas_paged.matmuls(x, ws, **_rms_norm_args(norm))
+    ys = [y + p["b"].astype(jnp.float32) if "b" in p else y for y, p in zip(ys, ps)]
+    return ys if residual is None else [residual + ys[0]]
+
+
+def _rms_norm_args(norm) -> dict:
+    """(RMSNorm params, eps) or None → the products' ``rms_scale`` and ``eps`` arguments."""
+    return {} if norm is None else {"rms_scale": norm[0]["scale"], "eps": norm[1]}
 
 
 def packed_for_cpu(params, *, consume: bool = False):
@@ -79,9 +90,7 @@ def packed_for_cpu(params, *, consume: bool = False):
 
 def rms_norm(x, p, eps):
     """RMSNorm over the last axis, computed in float32. x: [T, d] → [T, d] in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return p["scale"] * xf.astype(x.dtype)
+    return pallas_paged.rms_norm(x, p["scale"], eps)
 
 
 def layer_norm(x, p, eps=1e-5):
@@ -135,31 +144,35 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(config: ModelConfig, p, x, metadata, kv_cache, rope=None):
+def attention(config: ModelConfig, p, x, metadata, kv_cache, rope=None, *, norm=None, residual=None):
     """Self-attention through the paged KV cache.
 
     x: [T, hidden]; p: {"q", "k", "v", "o"} linears; kv_cache: (k_cache,
     v_cache), each [kv_heads, blocks, block_size, head_dim]; rope: optional
-    (cos, sin) from :func:`rotary`. Writes this step's K and V, then attends.
+    (cos, sin) from :func:`rotary`; norm: (RMSNorm params, eps) applied to x first;
+    residual: [T, hidden] added to the result. Writes this step's K and V, then attends.
     Returns ([T, hidden], (k_cache, v_cache)).
     """
     tokens = x.shape[0]
-    q, k, v = linears(x, [p["q"], p["k"], p["v"]])
+    q, k, v = linears(x, [p["q"], p["k"], p["v"]], norm=norm)
     q = q.reshape(tokens, config.num_heads, config.head_dim)
     k = k.reshape(tokens, config.num_kv_heads, config.head_dim)
     v = v.reshape(tokens, config.num_kv_heads, config.head_dim)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out, kv_cache = metadata.write_and_attend(q, k, v, kv_cache, scale=config.head_dim ** -0.5)
-    return linear(out.reshape(tokens, -1), p["o"]), kv_cache
+    return linear(out.reshape(tokens, -1), p["o"], residual=residual), kv_cache
 
 
-def gated_mlp(p, x):
-    """SwiGLU MLP. x: [T, hidden]; p: {"gate", "up", "down"} linears → [T, hidden]."""
+def gated_mlp(p, x, *, norm=None, residual=None):
+    """SwiGLU MLP. x: [T, hidden]; p: {"gate", "up", "down"} linears; norm and residual as in
+    :func:`attention` → [T, hidden]."""
     if "b" in p["gate"] or "b" in p["up"]:
-        gate, up = linears(x, [p["gate"], p["up"]])
-        return linear(jax.nn.silu(gate) * up, p["down"])
-    return linear(pallas_paged.gated_matmul(x, p["gate"]["w"], p["up"]["w"]), p["down"])
+        gate, up = linears(x, [p["gate"], p["up"]], norm=norm)
+        gated = jax.nn.silu(gate) * up
+    else:
+        gated = pallas_paged.gated_matmul(x, p["gate"]["w"], p["up"]["w"], **_rms_norm_args(norm))
+    return linear(gated, p["down"], residual=residual)
 
 
 def logits(params, h, argmax_rows=None):

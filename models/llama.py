@@ -37,11 +37,9 @@ def embed(config: ModelConfig, params, input_ids, positions):
 def layer(config: ModelConfig, p, x, rope, metadata, kv_cache):
     """One pre-norm decoder layer. x: [T, hidden]; rope: (cos, sin) from :func:`embed` →
     ([T, hidden], kv_cache)."""
-    h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
-    attn, kv_cache = layers.attention(config, p, h, metadata, kv_cache, rope)
-    x = x + attn
-    h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    return x + layers.gated_mlp(p, h), kv_cache
+    eps = config.rms_norm_eps
+    x, kv_cache = layers.attention(config, p, x, metadata, kv_cache, rope, norm=(p["attn_norm"], eps), residual=x)
+    return layers.gated_mlp(p, x, norm=(p["mlp_norm"], eps), residual=x), kv_cache
 
 
 def head(config: ModelConfig, params, x, rows, argmax_rows=None):

@@ -22,7 +22,7 @@ from pallas_paged import decode, decode_tpu, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (argmax_head, argmax_screen, gated_matmul, is_packed, matmul, matmuls, pack, packable,
-                                  packing_enabled, screenable)
+                                  packing_enabled, rms_norm, screenable)
 from pallas_paged.xla_options import compiler_options
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "packing_enabled",
     "paged_attention",
     "ragged_paged_attention",
+    "rms_norm",
     "screenable",
     "swap_in",
     "swap_out",

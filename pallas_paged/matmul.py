@@ -85,28 +85,56 @@ def matmul(x, w, *, transposed: bool = False):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def matmuls(x, ws) -> list:
-    """``[matmul(x, w) for w in ws]``: x: [..., K], each w [K, N_j] or packed → float32
-    [..., N_j] each. When every w is packed alike, one native call does them all, which
-    shares the work among the cores better than a call for each (a layer's K and V have
-    three panels each)."""
+def rms_norm(x, scale, eps: float):
+    """RMSNorm over the last axis, computed in float32: ``scale * (x / sqrt(mean(x²) + eps))``.
+    x: [..., d]; scale: [d] → [..., d] in x's dtype times scale's."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * xf.astype(x.dtype)
+
+
+def matmuls(x, ws, *, rms_scale=None, eps: float = 0.0, residual=None) -> list:
+    """``[matmul(h, w) for w in ws]`` with ``h = rms_norm(x, rms_scale, eps)`` if rms_scale is
+    given, else x, and ``residual`` (float32 [..., N], one weight only) added to the product:
+    x: [..., K], each w [K, N_j] or packed → float32 [..., N_j] each.
+
+    When every w is packed alike, one native call does it all, which shares the work among
+    the cores better than a call for each (a layer's K and V have three panels each), and
+    takes the norm, the rounding of x to the weights' dtype and the residual add into the
+    call: at one row, each of those was its own XLA kernel, about a tenth of a bfloat16 decode
+    step together. The call's norm sums in another order than XLA's, so h can differ in the
+    last bit; its residual add is XLA's, bitwise."""
+    if residual is not None and len(ws) != 1:
+        raise ValueError(f"a residual is added to one product, not {len(ws)}")
     if not ws or not all(is_packed(w) and w.dtype == ws[0].dtype for w in ws):
-        return [matmul(x, w) for w in ws]
-    rows = x.astype(_input_dtype(ws[0])).reshape(-1, x.shape[-1])
-    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in native.matmul(rows, *ws)]
+        h = x if rms_scale is None else rms_norm(x, rms_scale, eps)
+        ys = [matmul(h, w) for w in ws]
+        return ys if residual is None else [residual + ys[0]]
+    rows = _native_input(x, ws[0], rms_scale)
+    extra = {} if residual is None else {"residual": residual.reshape(rows.shape[0], -1)}
+    outs = native.matmul(rows, *ws, rms_scale=rms_scale, eps=eps, **extra)
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
-def gated_matmul(x, gate, up):
-    """SwiGLU's ``silu(x @ gate) * (x @ up)``: x: [..., K], gate and up [K, N] or packed →
-    float32 [..., N]. Packed alike, one native call does both products and the gating, so the
-    two [.., N] products never reach memory (XLA's gating fusion alone took 2.4 ms a layer on a
-    1760-token prefill here)."""
+def gated_matmul(x, gate, up, *, rms_scale=None, eps: float = 0.0):
+    """SwiGLU's ``silu(h @ gate) * (h @ up)``, h as in :func:`matmuls`: x: [..., K], gate and
+    up [K, N] or packed → float32 [..., N]. Packed alike, one native call does both products
+    and the gating, so the two [.., N] products never reach memory (XLA's gating fusion alone
+    took 2.4 ms a layer on a 1760-token prefill here)."""
     if not (is_packed(gate) and is_packed(up) and gate.dtype == up.dtype and gate.shape == up.shape):
-        g, u = matmuls(x, [gate, up])
+        g, u = matmuls(x, [gate, up], rms_scale=rms_scale, eps=eps)
         return jax.nn.silu(g) * u
-    rows = x.astype(_input_dtype(gate)).reshape(-1, x.shape[-1])
-    out = native.gated_matmul(rows, gate, up)
+    out = native.gated_matmul(_native_input(x, gate, rms_scale), gate, up, rms_scale=rms_scale, eps=eps)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _native_input(x, packed, rms_scale):
+    """x: [..., K] as the native product takes it with ``packed``: [M, K], float32 (which it
+    normalizes, and rounds to bfloat16 itself) or already in the weights' dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rms_scale is not None or x.dtype == jnp.float32:
+        return rows.astype(jnp.float32)
+    return rows.astype(_input_dtype(packed))
 
 
 def screenable(embed) -> bool:

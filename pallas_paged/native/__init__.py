@@ -186,22 +186,34 @@ def matmul_available() -> bool:
     return available() and bool(load().PallasPagedMatmulAvailable())
 
 
-def matmul(x, *panels):
+def matmul(x, *panels, rms_scale=None, eps: float = 0.0, residual=None):
     """x @ w_j for x: [M, K] and each w_j packed as ``panels[j]`` (:func:`pallas_paged.pack`):
-    bfloat16 x with uint32 [N_j/64, K/2, 64], or float32 x with float32 [N_j/64, K, 64]
-    → one float32 [M, N_j] per weight, in a single call. Check :func:`matmul_available` first.
+    bfloat16 or float32 x with uint32 [N_j/64, K/2, 64] (float32 x rounded to bfloat16 in the
+    call), or float32 x with float32 [N_j/64, K, 64] → one float32 [M, N_j] per weight, in a
+    single call. rms_scale: [K], float32 or bfloat16: x (float32) is RMS-normalized first,
+    ``x / sqrt(mean(x²) + eps) * rms_scale`` row by row. residual: float32 [M, N], added to
+    the product (with one weight only). Check :func:`matmul_available` first.
     """
     load()
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * w.shape[2]), np.float32) for w in panels]
-    return tuple(jax.ffi.ffi_call(MATMUL_TARGET, shapes, vmap_method="sequential")(x, *panels))
+    call = jax.ffi.ffi_call(MATMUL_TARGET, shapes, vmap_method="sequential")
+    return tuple(call(x, *_prologue_and_epilogue(rms_scale, residual), *panels, eps=np.float32(eps)))
 
 
-def gated_matmul(x, gate, up):
+def gated_matmul(x, gate, up, rms_scale=None, eps: float = 0.0):
     """silu(x @ gate) * (x @ up), float32 [M, N], for x: [M, K] and gate and up packed alike
-    (as :func:`matmul` takes them, [N/64, ...]), in a single call. Check :func:`matmul_available` first."""
+    (as :func:`matmul` takes them, [N/64, ...], with its ``rms_scale`` and ``eps``), in a single
+    call. Check :func:`matmul_available` first."""
     load()
     shape = jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * gate.shape[2]), np.float32)
-    return jax.ffi.ffi_call(GATED_MATMUL_TARGET, (shape,), vmap_method="sequential")(x, gate, up)[0]
+    call = jax.ffi.ffi_call(GATED_MATMUL_TARGET, (shape,), vmap_method="sequential")
+    return call(x, *_prologue_and_epilogue(rms_scale, None), gate, up, eps=np.float32(eps))[0]
+
+
+def _prologue_and_epilogue(rms_scale, residual):
+    """The products' rms_scale and residual operands: empty arrays ([0] and [0, 0]) for none."""
+    return (np.zeros((0,), np.float32) if rms_scale is None else rms_scale,
+            np.zeros((0, 0), np.float32) if residual is None else residual)
 
 
 def argmax_head(x, exact, screen, rows, norms, argmax_rows):

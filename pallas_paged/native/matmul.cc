@@ -21,6 +21,10 @@
 // accumulate, so neither product reaches memory: XLA's separate gating took 2.4 ms a layer
 // on a 1760-row prefill, and the two products' [M, N] results cost their writes.
 //
+// A call may also RMS-normalize float32 rows of x and round them to bfloat16 before the
+// products (Prologue), and add a residual to its one product, so that a decoder layer's
+// products need no XLA kernels between them for the norms, the casts and the residual adds.
+//
 // Work items are panels of every weight: with many rows, every panel of one block of rows,
 // then of the next; with few rows and few panels, groups of rows of each panel. The caller
 // and XLA's intra-op threads claim them from a shared counter. The kernel keeps a tile of
@@ -55,6 +59,7 @@ struct Panel {
   float* out;                    // the panel's first column of row 0 of its weight's [M, n] output
   int64_t n;                     // that output's row stride
   const uint32_t* up = nullptr;  // a gated product's up panel of the same columns: out = silu(x @ w) * (x @ up)
+  const float* residual = nullptr;  // added to the product: the panel's first column of row 0 of [M, n]
   // A screened head's panel (see argmax_head): its 64 columns' norms, and where each row's
   // largest sum - bound and sum + bound over them go (row r's at extremes[r * stride]).
   const float* norms = nullptr;
@@ -67,17 +72,64 @@ struct Bounds {
   int64_t stride = 0;  // of Panel::extremes, floats per row
 };
 
+// A product's input made from float32 rows before the products start: each row RMS-normalized
+// (x / sqrt(mean(x^2) + eps) * scale) if there is a scale, then rounded to bfloat16 for
+// bfloat16 weights, into Product::x. Doing it here, not in XLA, takes about ten small XLA
+// kernels out of every layer (see pallas_paged/matmul.py: matmuls).
+struct Prologue {
+  const float* x = nullptr;        // [M, K]; null: Product::x is the input as it is
+  const void* scale = nullptr;     // [K], float32 or bfloat16 (scale_bf16); null: no norm
+  bool scale_bf16 = false;
+  float eps = 0;
+  int64_t k = 0;
+  uint32_t* prepared = nullptr;    // [M, steps], what Product::x points to (scratch_words)
+};
+
 struct Product {
   const uint32_t* x;  // [M, steps]: pairs of bfloat16 along K, or float32
   std::vector<Panel> panels;  // of every weight, in order
   int64_t m, steps;           // steps = K / 2 for bfloat16, K for float32
   bool f32;                   // float32 x and weights
   const Bounds* bounds = nullptr;  // a screened head's
+  std::shared_ptr<Prologue> prologue;  // if x is made from float32 rows first
 };
 
 #if defined(__AVX512BF16__)
 
 constexpr int kRows = 6;    // rows per register tile: 6 x 4 sums, 4 weights, 1 broadcast
+
+// 16 elements of a prologue's scale from s on (the lanes of `mask`), as float32.
+inline __m512 scale_at(const Prologue& in, int64_t s, __mmask16 mask) {
+  if (!in.scale_bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(in.scale) + s);
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(in.scale) + s);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Row `row` of p's input, from the prologue's float32 rows (see Prologue), 16 elements at a
+// time. The rounding to bfloat16 is to nearest even, as XLA's convert, except that it
+// flushes values below 2^-126 to zero, which VDPBF16PS would count as zero anyway.
+void prepare_row(const Product& p, int64_t row) {
+  const Prologue& in = *p.prologue;
+  const float* x = in.x + row * in.k;
+  const auto lanes = [&](int64_t s) { return __mmask16(in.k - s >= 16 ? 0xFFFF : (1u << (in.k - s)) - 1); };
+  __m512 factor = _mm512_set1_ps(1.0f);
+  if (in.scale) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t s = 0; s < in.k; s += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(lanes(s), x + s);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    factor = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(in.k) + in.eps));
+  }
+  uint32_t* out = in.prepared + row * p.steps;
+  for (int64_t s = 0; s < in.k; s += 16) {
+    const __mmask16 mask = lanes(s);
+    __m512 v = _mm512_maskz_loadu_ps(mask, x + s);
+    if (in.scale) v = _mm512_mul_ps(_mm512_mul_ps(v, factor), scale_at(in, s, mask));
+    if (p.f32) _mm512_mask_storeu_ps(reinterpret_cast<float*>(out) + s, mask, v);
+    else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(out) + s, mask, __m256i(_mm512_cvtneps_pbh(v)));
+  }
+}
 
 // Cache lines of a panel to request ahead of its use, spread over the steps of the tiles
 // before it: the first pass over a panel otherwise waits on memory, and the passes after it
@@ -163,6 +215,9 @@ void tile(const Product& p, const Panel& panel, int64_t row, Ahead ahead, Ahead 
   }
   if constexpr (!kF32)  // a screened head is bfloat16
     if (panel.extremes) record_extremes<R>(p, panel, row, sum);
+  if (panel.residual)  // XLA's add, bitwise: one rounding of the same two float32 values
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_add_ps(_mm512_loadu_ps(panel.residual + (row + r) * panel.n + 16 * j), sum[r][j]);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(panel.out + (row + r) * panel.n + 16 * j, sum[r][j]);
 }
@@ -207,6 +262,9 @@ struct Shared {
   // the end (9 panels for two): each such panel's rows are split `split_parts` ways.
   int64_t split_from, split_panel = 0, split_parts = 1, split_rows = 0;
   std::atomic<int64_t> next{0}, done{0};
+  // The prologue's rows (if any), in chunks that the workers claim before any item.
+  int64_t chunk_rows = 16, chunks = 0;
+  std::atomic<int64_t> next_chunk{0}, prepared_chunks{0};
 
   Item item(int64_t i) const {
     if (i >= split_from) {
@@ -219,8 +277,19 @@ struct Shared {
   }
 };
 
+// Every worker helps prepare the input (if a prologue makes it), then waits until it is whole.
+void prepare(Shared& shared) {
+  for (int64_t c; (c = shared.next_chunk.fetch_add(1)) < shared.chunks;) {
+    for (int64_t row = c * shared.chunk_rows; row < std::min(shared.p.m, (c + 1) * shared.chunk_rows); ++row)
+      prepare_row(shared.p, row);
+    shared.prepared_chunks.fetch_add(1, std::memory_order_release);
+  }
+  while (shared.prepared_chunks.load(std::memory_order_acquire) < shared.chunks) std::this_thread::yield();
+}
+
 void run_items(Shared& shared, int64_t workers) {
   const Product& p = shared.p;
+  prepare(shared);
   for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
     const Item item = shared.item(i);
     // The item a worker likely claims next is `workers` on; fetch its panel if it is another
@@ -239,6 +308,7 @@ void run(Product p, ffi::ThreadPool& pool) {
   auto shared = std::make_shared<Shared>();
   const int64_t panels = int64_t(p.panels.size());
   shared->p = std::move(p);
+  if (shared->p.prologue) shared->chunks = (shared->p.m + shared->chunk_rows - 1) / shared->chunk_rows;
   const int64_t tiles = (shared->p.m + kRows - 1) / kRows;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (shared->p.steps * 4) / kRows) * kRows;
   shared->by_block = shared->p.m > 2 * block;
@@ -429,30 +499,73 @@ ffi::Error argmax_head(ffi::ThreadPool pool, F32Matrix x, BF16Matrix x_bf16, F32
 }
 
 
+// A buffer of at least `words` for the calling thread's current call: kept from call to call,
+// as a fresh one cost its page faults on every call (0.3 ms of a 1024-row prefill's product).
+uint32_t* scratch_words(int64_t words) {
+  thread_local std::unique_ptr<uint32_t[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (words > capacity) {
+    buffer.reset(new uint32_t[words]);
+    capacity = words;
+  }
+  return buffer.get();
+}
+
 // x, then the packed weights; one float32 [M, N_j] result per weight. x bfloat16 with uint32
-// weights [N/64, K/2, 64], or x float32 with float32 weights [N/64, K, 64]. Gated: the weights
-// are a gate and an up of one shape, and the one result is silu(x @ gate) * (x @ up).
-ffi::Error product(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs,
-                   bool gated) {
-  const bool f32 = x.element_type() == ffi::DataType::F32;
-  if (x.dimensions().size() != 2 || (!f32 && x.element_type() != ffi::DataType::BF16))
+// weights [N/64, K/2, 64], or x float32 with float32 weights [N/64, K, 64]; or x float32 with
+// bfloat16 weights, rounded here. Gated: the weights are a gate and an up of one shape, and
+// the one result is silu(x @ gate) * (x @ up). rms_scale: [K] (float32 or bfloat16), each row
+// of x RMS-normalized and scaled first (eps the attribute), or [0]: none (see Prologue).
+// residual: float32 [M, N] added to the one product, or [0, 0]: none.
+ffi::Error product(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer rms_scale, ffi::AnyBuffer residual,
+                   ffi::RemainingArgs weights, ffi::RemainingRets outs, float eps, bool gated) {
+  if (x.dimensions().size() != 2 || (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("matmul: x must be a bfloat16 or float32 matrix");
+  if (weights.size() == 0 || weights.get<ffi::AnyBuffer>(0).has_error())
+    return ffi::Error::InvalidArgument("matmul: needs at least one packed weight");
+  const bool f32 = weights.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::F32;
+  const bool x_f32 = x.element_type() == ffi::DataType::F32;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], steps = f32 ? k : k / 2;
-  if (gated ? weights.size() != 2 || outs.size() != 1 : weights.size() == 0 || weights.size() != outs.size())
+  if (gated ? weights.size() != 2 || outs.size() != 1 : weights.size() != outs.size())
     return ffi::Error::InvalidArgument(gated ? "gated matmul: needs a gate and an up weight, and one result"
-                                             : "matmul: needs one result per packed weight, and at least one weight");
+                                             : "matmul: needs one result per packed weight");
+  const bool normalize = rms_scale.element_count() > 0, add = residual.element_count() > 0;
+  const auto scale_type = rms_scale.element_type();
+  if (normalize && (rms_scale.dimensions().size() != 1 || rms_scale.dimensions()[0] != k || !x_f32 ||
+                    (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::BF16)))
+    return ffi::Error::InvalidArgument("matmul: an RMS norm needs float32 x [M, K] and a scale [K], float32 or bfloat16");
+  if (f32 && !x_f32) return ffi::Error::InvalidArgument("matmul: float32 weights need float32 x");
   Product product{static_cast<const uint32_t*>(x.untyped_data()), {}, m, steps, f32};
+  if (normalize || (x_f32 && !f32)) {
+    product.prologue = std::make_shared<Prologue>();
+    Prologue& in = *product.prologue;
+    in.x = static_cast<const float*>(x.untyped_data());
+    in.scale = normalize ? rms_scale.untyped_data() : nullptr;
+    in.scale_bf16 = scale_type == ffi::DataType::BF16;
+    in.eps = eps;
+    in.k = k;
+    in.prepared = scratch_words(m * steps);
+    product.x = in.prepared;
+  }
   for (size_t j = 0; j < weights.size(); ++j) {
     auto w = weights.get<ffi::AnyBuffer>(j);
     auto out = outs.get<ffi::Buffer<ffi::F32, 2>>(gated ? 0 : j);
     if (w.has_error() || out.has_error() || w->element_type() != (f32 ? ffi::DataType::F32 : ffi::DataType::U32))
-      return ffi::Error::InvalidArgument("matmul: weights must be uint32 for bfloat16 x, float32 for float32 x");
+      return ffi::Error::InvalidArgument("matmul: weights must be all uint32 (bfloat16 pairs) or all float32");
     const auto dims = w->dimensions();
     if (dims.size() != 3 || (!f32 && k % 2) || steps != dims[1] || dims[2] != 64 || (*out)->dimensions()[0] != m ||
         (*out)->dimensions()[1] != 64 * dims[0])
       return ffi::Error::InvalidArgument("matmul: needs x [M, K], each w [N/64, K/2 (K for float32), 64] and its "
                                          "result [M, N]");
-    if (steps == 0) std::memset((*out)->typed_data(), 0, (*out)->size_bytes());
+    if (add && (outs.size() != 1 || residual.element_type() != ffi::DataType::F32 ||
+                residual.dimensions().size() != 2 || residual.dimensions()[0] != m ||
+                residual.dimensions()[1] != (*out)->dimensions()[1]))
+      return ffi::Error::InvalidArgument("matmul: a residual must be float32 [M, N], added to the only result");
+    if (steps == 0) {
+      float* result = (*out)->typed_data();
+      if (add) std::memcpy(result, residual.untyped_data(), (*out)->size_bytes());
+      else std::memset(result, 0, (*out)->size_bytes());
+    }
     // A gated product's up weight: shaped as the gate (the checks above give it the gate's
     // result), its panels go with the gate's.
     if (gated && j == 1) {
@@ -460,9 +573,11 @@ ffi::Error product(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs we
         product.panels[panel].up = static_cast<const uint32_t*>(w->untyped_data()) + panel * steps * kPanel;
       continue;
     }
-    for (int64_t panel = 0; steps > 0 && panel < dims[0]; ++panel)
+    for (int64_t panel = 0; steps > 0 && panel < dims[0]; ++panel) {
       product.panels.push_back({static_cast<const uint32_t*>(w->untyped_data()) + panel * steps * kPanel,
                                 (*out)->typed_data() + panel * kPanel, 64 * dims[0]});
+      if (add) product.panels.back().residual = static_cast<const float*>(residual.untyped_data()) + panel * kPanel;
+    }
   }
 #if defined(__AVX512BF16__)
   if (m > 0 && !product.panels.empty()) run(std::move(product), pool);
@@ -472,12 +587,14 @@ ffi::Error product(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs we
 #endif
 }
 
-ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
-  return product(pool, x, weights, outs, false);
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer rms_scale, ffi::AnyBuffer residual,
+                  ffi::RemainingArgs weights, ffi::RemainingRets outs, float eps) {
+  return product(pool, x, rms_scale, residual, weights, outs, eps, false);
 }
 
-ffi::Error gated_matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
-  return product(pool, x, weights, outs, true);
+ffi::Error gated_matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer rms_scale, ffi::AnyBuffer residual,
+                        ffi::RemainingArgs weights, ffi::RemainingRets outs, float eps) {
+  return product(pool, x, rms_scale, residual, weights, outs, eps, true);
 }
 
 }  // namespace
@@ -494,16 +611,22 @@ extern "C" int PallasPagedMatmulAvailable() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedMatmul, matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // rms_scale
+                                  .Arg<ffi::AnyBuffer>()  // residual
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedGatedMatmul, gated_matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // rms_scale
+                                  .Arg<ffi::AnyBuffer>()  // residual
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasPagedArgmaxHead, argmax_head,
                               ffi::Ffi::Bind()

@@ -130,6 +130,76 @@ def test_gated_product_over_the_tails_of_silu():
     np.testing.assert_allclose(got, jnp.broadcast_to(want, got.shape), rtol=1e-6, atol=1e-30)
 
 
+def _residual_stream(rng, shape):
+    """float32 rows at the scale of a model's residual stream, with a few large features."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[:, :3] *= 40
+    return x
+
+
+@pytest.mark.parametrize("m", [1, 32, 301])  # 301: the workers share the prologue's chunks of rows
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
+def test_norm_and_residual_in_the_call_match_xla(m, dtype, scale_dtype):
+    """RMSNorm of float32 rows, their rounding to bfloat16, and the residual add, done in the
+    native call, against XLA doing each of them around the same call's product. The residual
+    add is bitwise XLA's; the norm sums in another order, so the normalized rows may differ in
+    their last bit, and a bfloat16 one by one bfloat16 step where float32 falls near a tie."""
+    rng = np.random.default_rng(m)
+    x, residual = _residual_stream(rng, (m, 576)), rng.standard_normal((m, 192)).astype(np.float32)
+    w = pallas_paged.pack(_bf16(rng, (576, 192)).astype(dtype))
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, 576), scale_dtype)
+    fused = jax.jit(lambda x, w, s, r: pallas_paged.matmuls(x, [w], rms_scale=s, eps=1e-5, residual=r)[0])
+    got = fused(x, w, scale, residual)
+    h = pallas_paged.rms_norm(jnp.asarray(x), scale, 1e-5)
+    want = residual + pallas_paged.matmul(h, w)
+    tolerance = 2**-8 if dtype == jnp.bfloat16 else 2**-20
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * float(jnp.max(jnp.abs(want))))
+    unfused = pallas_paged.matmul(h, w)
+    np.testing.assert_array_equal(jax.jit(lambda h, w, r: pallas_paged.matmuls(h, [w], residual=r)[0])(h, w, residual),
+                                  residual + unfused)
+
+
+def test_float32_rows_round_to_bfloat16_in_the_call_as_xla_rounds_them():
+    """float32 x with bfloat16 weights: the call rounds x to nearest even, bitwise XLA's convert,
+    ties and NaN included (a NaN row stays NaN)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[0, :8] = np.float32(1 + 2**-8) * np.array([1, -1, 3, -3, 5, 7, 9, 11], np.float32)  # halfway cases
+    x[1, 0] = np.nan
+    w = pallas_paged.pack(_bf16(rng, (64, 128)))
+    got = np.asarray(native.matmul(jnp.asarray(x), w)[0])
+    want = np.asarray(native.matmul(jnp.asarray(x).astype(jnp.bfloat16), w)[0])
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["xla", "native"])
+def test_gated_product_takes_the_norm_into_the_call(packed):
+    """silu(h @ gate) * (h @ up) with h the RMSNorm of x, whichever product runs."""
+    rng = np.random.default_rng(11)
+    x, scale = _residual_stream(rng, (3, 576)), jnp.asarray(rng.uniform(0.5, 2.0, 576), jnp.float32)
+    gate, up = (rng.standard_normal((576, 128)).astype(np.float32) for _ in range(2))
+    if packed:
+        gate, up = pallas_paged.pack(gate), pallas_paged.pack(up)
+    got = pallas_paged.gated_matmul(x, gate, up, rms_scale=scale, eps=1e-6)
+    want = pallas_paged.gated_matmul(pallas_paged.rms_norm(jnp.asarray(x), scale, 1e-6), gate, up)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2**-20 * float(jnp.max(jnp.abs(want))))
+
+
+def test_residual_goes_with_a_single_product():
+    """A residual is added to one product: asking for it with several weights is refused, and
+    a native call refuses one of the wrong shape, naming it."""
+    rng = np.random.default_rng(5)
+    x, w = _bf16(rng, (2, 64)), pallas_paged.pack(_bf16(rng, (64, 64)))
+    with pytest.raises(ValueError, match="one product"):
+        pallas_paged.matmuls(x, [w, w], residual=jnp.zeros((2, 64)))
+    with pytest.raises(Exception, match="residual must be float32"):
+        jax.block_until_ready(native.matmul(x, w, residual=jnp.zeros((2, 128), jnp.float32)))
+    with pytest.raises(Exception, match="RMS norm needs float32 x"):
+        jax.block_until_ready(native.matmul(x, w, rms_scale=jnp.ones(64, jnp.float32)))
+
+
 def _tied_head(embed):
     """A tied float32 embedding [N, K] as the engine packs its head."""
     return {"w": pallas_paged.pack(embed.T), **pallas_paged.argmax_screen(embed)}
