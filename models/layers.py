@@ -12,6 +12,8 @@ Every matmul weight is stored ``[in, out]`` so a projection is a plain
 Q/K/V and gate/up stay separate weights. Q/K/V are multiplied together (:func:`linears`):
 packed ones in one native call, faster than three. Gate and up, with SwiGLU's gating, go to
 :func:`pallas_paged.gated_matmul`: packed, one native call that writes only the gated result.
+A pre-norm layer's RMSNorm and residual adds go into those calls too (``norm=``, ``residual=``),
+so at one row no XLA kernel sits between its products but the rotary embedding and the KV writes.
 """
 
 from __future__ import annotations
