@@ -27,7 +27,8 @@
 //
 // Work items are panels of every weight: with many rows, every panel of one block of rows,
 // then of the next; with few rows and few panels, groups of rows of each panel. The caller
-// and XLA's intra-op threads claim them from a shared counter. The kernel keeps a tile of
+// and XLA's intra-op threads claim them from a shared counter, or with a single tile of rows
+// from both ends of the list, the caller from the front. The kernel keeps a tile of
 // kRows x kPanel float32 sums in registers and streams its panel once per tile; when a panel
 // takes several tiles, it requests the lines of the panel it will likely take next (Ahead)
 // along the way.
@@ -262,6 +263,12 @@ struct Shared {
   // the end (9 panels for two): each such panel's rows are split `split_parts` ways.
   int64_t split_from, split_panel = 0, split_parts = 1, split_rows = 0;
   std::atomic<int64_t> next{0}, done{0};
+  // One tile of rows (decode of a few sequences), whose items are whole panels, adjacent in
+  // memory: the caller claims them from the front and helpers from the back, so that each
+  // reads one stream of memory in order, not every other panel. 30 layers of one-row
+  // products took 0-10% less time so (7.03-7.75 ms against 7.05-8.62, six alternating runs).
+  bool two_ended = false;
+  std::atomic<uint64_t> ends{0};  // the first unclaimed item, and one past the last (high half)
   // The prologue's rows (if any), in chunks that the workers claim before any item.
   int64_t chunk_rows = 16, chunks = 0;
   std::atomic<int64_t> next_chunk{0}, prepared_chunks{0};
@@ -287,10 +294,26 @@ void prepare(Shared& shared) {
   while (shared.prepared_chunks.load(std::memory_order_acquire) < shared.chunks) std::this_thread::yield();
 }
 
-void run_items(Shared& shared, int64_t workers) {
+// The next item for a worker claiming from the front or the back, or -1 when none is left.
+int64_t claim(Shared& shared, bool from_back) {
+  uint64_t ends = shared.ends.load(std::memory_order_relaxed);
+  while (true) {
+    const uint64_t front = ends & 0xFFFFFFFFu, back = ends >> 32;
+    if (front >= back) return -1;
+    const uint64_t claimed = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
+    if (shared.ends.compare_exchange_weak(ends, claimed)) return int64_t(from_back ? back - 1 : front);
+  }
+}
+
+void run_items(Shared& shared, int64_t workers, bool caller = false) {
   const Product& p = shared.p;
   prepare(shared);
-  for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
+  const auto next_item = [&] {
+    if (shared.two_ended) return claim(shared, !caller);
+    const int64_t i = shared.next.fetch_add(1);
+    return i < shared.total ? i : -1;
+  };
+  for (int64_t i; (i = next_item()) >= 0;) {
     const Item item = shared.item(i);
     // The item a worker likely claims next is `workers` on; fetch its panel if it is another
     // and this one takes more than one pass (a tile of rows each). With a single pass there is
@@ -333,9 +356,11 @@ void run(Product p, ffi::ThreadPool& pool) {
     shared->split_from = shared->split_panel;
     shared->total = shared->split_from + panels % workers * shared->split_parts;
   }
+  shared->two_ended = shared->p.m <= kRows;
+  shared->ends = uint64_t(shared->total) << 32;
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, workers] { run_items(*shared, workers); });
-  run_items(*shared, workers);
+  run_items(*shared, workers, true);
   while (shared->done.load(std::memory_order_acquire) < shared->total) std::this_thread::yield();
 }
 
