@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 import pallas_paged
+from engine import huge_pages
 from pallas_paged.cache_ops import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,15 @@ def _swap_in(kv_caches, host_caches, host_ids, device_ids):
 class CacheEngine:
     """Owns ``kv_caches`` (per layer ``(k, v)``, each ``[kv_heads, blocks, block_size, d]``)
     and ``host_caches`` (the same with ``num_host_blocks``, in pinned host memory), placed
-    with ``sharding`` / ``host_sharding`` (for tensor parallelism)."""
+    with ``sharding`` / ``host_sharding`` (for tensor parallelism). On a Linux CPU the device
+    caches get huge pages (:mod:`engine.huge_pages`; ``_huge_pages`` is the thread asking),
+    which the programs that update them in place keep."""
 
     def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None, host_sharding=None):
         self.spec = spec
         self._sharding = sharding
         self.kv_caches = spec.allocate(sharding)
+        self._huge_pages = huge_pages.start(self.kv_caches, "KV cache")
         self._host_sharding = host_sharding
         host_spec = pallas_paged.KVCacheSpec(max(num_host_blocks, 1), spec.block_size, spec.num_kv_heads,
                                              spec.head_dim, spec.num_layers, spec.dtype)
@@ -123,6 +127,7 @@ class CacheEngine:
     def reset(self) -> None:
         """Fresh zeroed device caches and an empty swap space, after their contents were lost."""
         self.kv_caches = self.spec.allocate(self._sharding)
+        self._huge_pages = huge_pages.start(self.kv_caches, "KV cache")
         self._host_caches = None
 
     def _device_ids(self, ids):

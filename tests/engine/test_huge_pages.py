@@ -1,4 +1,4 @@
-"""The engine's weights on 2 MiB pages (engine.huge_pages)."""
+"""The engine's weights and KV cache on 2 MiB pages (engine.huge_pages)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import platform
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,18 +52,22 @@ def test_collapsing_keeps_the_values_and_gives_huge_pages():
         assert _huge_bytes_of_mapping(array.unsafe_buffer_pointer()) >= (collapsed - 2) * huge_pages.HUGE_PAGE
 
 
-def test_the_engine_backs_its_weights_and_still_generates_the_same_tokens(monkeypatch, tmp_path):
-    """With and without huge pages (``PALLAS_PAGED_HUGE_PAGES=0``), greedy decoding gives the
-    same tokens."""
+def test_the_engine_backs_its_weights_and_cache_and_still_generates_the_same_tokens(monkeypatch, tmp_path):
+    """With and without huge pages (``PALLAS_PAGED_HUGE_PAGES=0``) under the weights and the KV
+    cache, greedy decoding gives the same tokens; the cache keeps its memory from step to step
+    (its programs update it in place), so it keeps the pages."""
     outputs = {}
     for setting in ("1", "0"):
         monkeypatch.setenv("PALLAS_PAGED_HUGE_PAGES", setting)
         llm, _ = tiny_llm("llama_gqa_tied", tmp_path / setting)
-        thread = llm.engine._huge_pages
-        assert (thread is not None) == (setting == "1" and huge_pages.enabled())
-        if thread is not None:
-            thread.join(timeout=60)
-            assert not thread.is_alive()
+        cache = llm.engine.cache
+        addresses = [array.unsafe_buffer_pointer() for array in jax.tree.leaves(cache.kv_caches)]
+        for thread in (llm.engine._huge_pages, cache._huge_pages):
+            assert (thread is not None) == (setting == "1" and huge_pages.enabled())
+            if thread is not None:
+                thread.join(timeout=60)
+                assert not thread.is_alive()
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outputs[setting] = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4], [5, 6]], params, use_tqdm=False)]
+        assert [array.unsafe_buffer_pointer() for array in jax.tree.leaves(cache.kv_caches)] == addresses
     assert outputs["1"] == outputs["0"]
