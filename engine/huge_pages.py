@@ -74,10 +74,15 @@ def back_with_huge_pages(arrays) -> int:
     Linux may refuse some regions: one that spans two mappings (EINVAL), or when it cannot
     assemble a free 2 MiB page (ENOMEM) or meets a page it cannot take now (EAGAIN, retried
     twice). Of the 33 regions of a 64 MiB array, 23 to 31 collapsed in one hour here."""
+    return collapse(regions(arrays))
+
+
+def collapse(starts) -> int:
+    """:func:`back_with_huge_pages` for the 2 MiB regions at ``starts`` (from :func:`regions`)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = 0
-    for start in regions(arrays):
+    for start in starts:
         libc.madvise(start, HUGE_PAGE, _MADV_HUGEPAGE)
         for _ in range(3):
             if libc.madvise(start, HUGE_PAGE, _MADV_COLLAPSE) == 0:
@@ -90,14 +95,17 @@ def back_with_huge_pages(arrays) -> int:
 
 def start(tree, what: str = "weights") -> threading.Thread | None:
     """Back the leaves of ``tree`` (``what``, for the log) with huge pages on a daemon thread
-    (the calls release the GIL, so start-up goes on meanwhile); None where not :func:`enabled`."""
+    (the calls release the GIL, so start-up goes on meanwhile); None where not :func:`enabled`.
+    The regions are found here, before the caller goes on: a KV cache's arrays are donated to
+    the first step (their memory lives on in its results, the same buffers, but the arrays are
+    gone)."""
     if not enabled():
         return None
-    arrays = jax.tree.leaves(tree)
+    starts = regions(jax.tree.leaves(tree))
 
     def run():
         begin = time.monotonic()
-        collapsed = back_with_huge_pages(arrays)
+        collapsed = collapse(starts)
         log.info("%s: %d regions of 2 MiB collapsed into huge pages in %.1f s", what, collapsed,
                  time.monotonic() - begin)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import re
+import threading
 from pathlib import Path
 
 import jax
@@ -50,6 +51,22 @@ def test_collapsing_keeps_the_values_and_gives_huge_pages():
         # which may belong to a neighbouring mapping.
         assert collapsed >= 1
         assert _huge_bytes_of_mapping(array.unsafe_buffer_pointer()) >= (collapsed - 2) * huge_pages.HUGE_PAGE
+
+
+@pytest.mark.skipif(not huge_pages.enabled(), reason="needs Linux with transparent huge pages on a CPU")
+def test_asking_goes_on_after_the_arrays_are_donated(monkeypatch):
+    """The engine's first step donates the KV cache's arrays (deletes them) while the thread
+    may not have started yet: it asks for the regions found when it was started."""
+    class Deferred(threading.Thread):
+        def start(self):  # runs only when the test calls run(), after the arrays are gone
+            pass
+
+    monkeypatch.setattr(huge_pages.threading, "Thread", Deferred)
+    arrays = [jnp.zeros(1 << 20, jnp.float32) + i for i in range(4)]
+    thread = huge_pages.start(arrays, "test")
+    for array in arrays:
+        array.delete()
+    thread.run()
 
 
 def test_the_engine_backs_its_weights_and_cache_and_still_generates_the_same_tokens(monkeypatch, tmp_path):
