@@ -187,6 +187,18 @@ def test_gated_product_takes_the_norm_into_the_call(packed):
     np.testing.assert_allclose(got, want, rtol=0, atol=2**-20 * float(jnp.max(jnp.abs(want))))
 
 
+def test_a_norm_of_bfloat16_rows_is_xlas():
+    """rms_norm rounds normalized bfloat16 rows to bfloat16 before scaling them, which the
+    native call (made for float32 rows) does not: such rows are normalized by XLA, bitwise."""
+    rng = np.random.default_rng(13)
+    x, scale = _bf16(rng, (3, 64)), jnp.asarray(rng.uniform(0.5, 2.0, 64), jnp.float32)
+    w, gate = pallas_paged.pack(_bf16(rng, (64, 128))), pallas_paged.pack(_bf16(rng, (64, 128)))
+    h = pallas_paged.rms_norm(x, scale, 1e-6)
+    np.testing.assert_array_equal(pallas_paged.matmuls(x, [w], rms_scale=scale, eps=1e-6)[0], pallas_paged.matmul(h, w))
+    np.testing.assert_array_equal(pallas_paged.gated_matmul(x, gate, w, rms_scale=scale, eps=1e-6),
+                                  pallas_paged.gated_matmul(h, gate, w))
+
+
 def test_residual_goes_with_a_single_product():
     """A residual is added to one product: asking for it with several weights is refused, and
     a native call refuses one of the wrong shape, naming it."""
