@@ -57,11 +57,16 @@ def enabled() -> bool:
 
 def regions(arrays) -> list[int]:
     """Start addresses of the 2 MiB regions the CPU buffers of ``arrays`` (every shard of
-    each) overlap, in order."""
+    each) overlap, in order. Arrays whose shards JAX cannot list here are left out: on CPU
+    processes that each hold part of a multi-process array, listing them raises."""
     starts = set()
     for array in arrays:
-        for shard in array.addressable_shards:
-            address, size = shard.data.unsafe_buffer_pointer(), shard.data.nbytes
+        try:
+            shards = [(shard.data.unsafe_buffer_pointer(), shard.data.nbytes) for shard in array.addressable_shards]
+        except ValueError as error:
+            log.debug("no huge pages for an array whose shards cannot be listed: %s", error)
+            continue
+        for address, size in shards:
             if size:
                 starts.update(range(address // HUGE_PAGE * HUGE_PAGE, address + size, HUGE_PAGE))
     return sorted(starts)
