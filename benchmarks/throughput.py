@@ -100,24 +100,47 @@ def matvec(dtype: str, rows=(1, 2, 8, 32), *, packed: bool = False) -> list[list
     return [[f"{name} x {m} rows", nbytes, times[m] * 1e3, nbytes / times[m] / 1e9] for m in rows]
 
 
+# A decode's bandwidth is the mean of the readings just before and just after it; when those
+# differ by more than this share, the machine changed state during the decode (it flips between
+# about 30 and 50 GB/s within minutes), and the round's ratio, which divides a rate from one
+# state by a bound from the other, is left out (one run's ratios ranged from 0.54 to 1.21 so).
+STEADY_TOLERANCE = 0.2
+
+
+def steady_samples(samples: list[tuple], tolerance: float = STEADY_TOLERANCE) -> list[tuple]:
+    """The samples ``(bandwidth before, bandwidth after, ...)`` whose two readings agree within
+    ``tolerance`` (the larger at most ``1 + tolerance`` times the smaller); all of them if none do,
+    rather than no result."""
+    kept = [sample for sample in samples if max(sample[:2]) <= (1 + tolerance) * min(sample[:2])]
+    return kept or list(samples)
+
+
 def single_sequence(llm: LLM, synchronous: LLM, prompt, max_tokens: int, rounds: int) -> list[list]:
     """One sequence against the memory-bandwidth bound, with and without async scheduling:
-    each round measures the bandwidth, then both engines (alternating), so that each ratio
-    divides numbers taken under the same load (readings of the bandwidth on this shared
-    machine ranged from 13 to 45 GB/s within one day, and one process's ratios from 0.57 to
-    0.85 within minutes). Rows: engine, weights MiB, median bandwidth, median bound, median
-    rates (overall, after the first token), median ratio, and the lowest and highest ratio."""
+    the bandwidth is measured before the first engine's decode, between the two and after the
+    second, so that each ratio divides numbers taken under the same load (readings of the
+    bandwidth on this shared machine ranged from 13 to 58 GB/s between runs, and one process's
+    ratios from 0.54 to 1.21 within minutes); decodes whose two readings disagree are left
+    out (:func:`steady_samples`). Rows: engine, weights MiB, median bandwidth, median bound,
+    median rates (overall, after the first token), median ratio, the lowest and highest ratio,
+    and the rounds kept."""
     samples = {"on": [], "off": []}
+    readings = [memory_bandwidth()]
     for _ in range(rounds):
-        bandwidth = memory_bandwidth()
         for key, engine in (("on", llm), ("off", synchronous)):
             overall, decoding = decode_rate(engine, prompt, max_tokens)
-            bound = bandwidth / weight_bytes(engine)
-            samples[key].append((bandwidth / 1e9, bound, overall, decoding, decoding / bound))
-    median = lambda values: float(np.median(values))  # noqa: E731
-    return [[key, weight_bytes(llm) / 2**20, *(median(column) for column in zip(*samples[key])),
-             f"{min(s[-1] for s in samples[key]):.2f}-{max(s[-1] for s in samples[key]):.2f}"]
-            for key in ("on", "off")]
+            readings.append(memory_bandwidth())
+            samples[key].append((*readings[-2:], overall, decoding))
+    rows = []
+    for key, engine in (("on", llm), ("off", synchronous)):
+        kept = steady_samples(samples[key])
+        bandwidths = [(before + after) / 2 for before, after, *_ in kept]
+        bounds = [bandwidth / weight_bytes(engine) for bandwidth in bandwidths]
+        ratios = [decoding / bound for (*_, decoding), bound in zip(kept, bounds)]
+        columns = [[b / 1e9 for b in bandwidths], bounds, [s[2] for s in kept], [s[3] for s in kept], ratios]
+        rows.append([key, weight_bytes(engine) / 2**20, *(float(np.median(column)) for column in columns),
+                     f"{min(ratios):.2f}-{max(ratios):.2f}", f"{len(kept)}/{len(samples[key])}"])
+    return rows
 
 
 def chat(args) -> None:
@@ -153,14 +176,16 @@ def chat(args) -> None:
     table = print_table(["system", "tokens", "seconds", "tokens/s", "vs HF same dtype"], rows)
     table += f"\n\nMedian of {args.rounds} rounds per system, alternating HF and this engine."
     bounds = print_table(["dtype", "scheduling", "weights MiB", "bandwidth GB/s", "bound tokens/s",
-                          "1 sequence tokens/s", "after the first token", "vs bound", "range"], bound_rows)
+                          "1 sequence tokens/s", "after the first token", "vs bound", "range", "kept"], bound_rows)
     products = print_table(["products", "weight bytes", "ms", "GB/s"], [
         *matvec("float32"), *(matvec("float32", packed=True) if pallas_paged.packing_enabled() else []),
         *matvec("bfloat16"), *(matvec("bfloat16", packed=True) if pallas_paged.packing_enabled() else [])])
     save_text(f"{table}\n\nSingle-sequence decode against the memory-bandwidth bound ({args.single_rounds} rounds, "
-              "each measuring the bandwidth and then decoding with async scheduling on and off; medians, "
-              "'vs bound' the median of each round's ratio of the rate after the first token, without the "
-              "prompt phase, to that round's bound, and 'range' the lowest and highest of those ratios):"
+              "each decoding with async scheduling on and off, the bandwidth measured before, between and "
+              "after the two; each decode's bound uses the mean of the readings around it, and a decode "
+              f"whose two readings differ by more than {STEADY_TOLERANCE:.0%} is left out ('kept'); medians, "
+              "'vs bound' the median ratio of the rate after the first token, without the prompt phase, to "
+              "its bound, and 'range' the lowest and highest of those ratios):"
               f"\n\n{bounds}\n\nOne layer's products, 30 layers:\n\n"
               f"{products}", "throughput_chat")
 
