@@ -102,7 +102,7 @@ def matvec(dtype: str, rows=(1, 2, 8, 32), *, packed: bool = False) -> list[list
 
 # A decode's bandwidth is the mean of the readings just before and just after it; when those
 # differ by more than this share, the machine changed state during the decode (it flips between
-# about 30 and 50 GB/s within minutes), and the round's ratio, which divides a rate from one
+# about 30 and 50 GB/s within minutes), and the decode's ratio, which divides a rate from one
 # state by a bound from the other, is left out (one run's ratios ranged from 0.54 to 1.21 so).
 STEADY_TOLERANCE = 0.2
 
