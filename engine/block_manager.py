@@ -266,11 +266,11 @@ def _append_needs(state: BlockManagerState, seqs: Iterable[Sequence]) -> int:
     for seq in seqs:
         entry = state.seqs[seq.seq_id]
         last_index = (seq.len - 1) // size
-        assert len(entry.block_table) - 1 <= last_index <= len(entry.block_table)
+        assert last_index <= len(entry.block_table)
         if last_index == len(entry.block_table):
             need += not entry.reserved
-        elif refcounts[entry.block_table[-1]] - copied[entry.block_table[-1]] > 1:
-            copied[entry.block_table[-1]] += 1
+        elif refcounts[entry.block_table[last_index]] - copied[entry.block_table[last_index]] > 1:
+            copied[entry.block_table[last_index]] += 1
             need += not entry.reserved
     return need
 
@@ -295,23 +295,38 @@ def append_slot(
 ) -> tuple[BlockManagerState, tuple[int, int] | None]:
     """Make room for `seq`'s last token (position seq.len - 1) in a block only `seq` references.
 
-    A new block when the last one is full; copy-on-write when the last block is shared: a
+    A new block when the table ends before it; copy-on-write when its block is shared: a
     private block replaces it in the table and `(src, dst)` is returned for the cache engine to
-    copy before the token is written.
+    copy before the token is written. (Its block is the table's last unless a block was
+    appended ahead, `append_block`, and a fork shared both.)
     """
     entry = state.seqs[seq.seq_id]
     assert entry.on_device, f"seq {seq.seq_id} is swapped out"
-    table, copy = entry.block_table, None
-    if (seq.len - 1) // state.config.block_size == len(table):
+    table, copy, index = entry.block_table, None, (seq.len - 1) // state.config.block_size
+    if index == len(table):
         state, entry, block = _take_one(state, entry)
         table = table + (block,)
-    elif state.device.refcounts[table[-1]] > 1:
+    elif state.device.refcounts[table[index]] > 1:
         state, entry, block = _take_one(state, entry)
-        state = _release_device(state, [table[-1]])
-        copy, table = (table[-1], block), table[:-1] + (block,)
+        state = _release_device(state, [table[index]])
+        copy, table = (table[index], block), table[:index] + (block,) + table[index + 1 :]
     if table == entry.block_table:
         return state, None
     return _set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
+
+
+def can_append_block(state: BlockManagerState, seq_id: int) -> bool:
+    """Whether `append_block` has a block for `seq_id`: reserved, or free."""
+    return bool(state.seqs[seq_id].reserved) or num_free_device_blocks(state) > 0
+
+
+def append_block(state: BlockManagerState, seq_id: int) -> BlockManagerState:
+    """One more private block at the end of `seq_id`'s table, before any token needs it
+    (`SchedulerConfig.reserve_next_block`); see `can_append_block`."""
+    entry = state.seqs[seq_id]
+    assert entry.on_device, f"seq {seq_id} is swapped out"
+    state, entry, block = _take_one(state, entry)
+    return _set_seqs(state, {seq_id: dataclasses.replace(entry, block_table=entry.block_table + (block,))})
 
 
 def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> BlockManagerState:

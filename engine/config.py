@@ -157,4 +157,7 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             policy=self.policy,
             block_manager=blocks,
+            # What async scheduling's lookaheads need to cross block boundaries (not under a mesh,
+            # where the engine runs without them).
+            reserve_next_block=self.async_scheduling and self.tensor_parallel_size == 1,
         )

@@ -336,17 +336,23 @@ class LLMEngine:
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
         argmax_only = not prompt_rows and step_sampling.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
-        logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
+        out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
         if prompt_rows:
-            self._record_prompt_logprobs(logits, prompt_rows)
+            self._record_prompt_logprobs(out.logits, prompt_rows)
         if not rows:
             return None
+        tables = tuple(work.block_table for work in works)
+        if argmax_only and out.argmax is not None and [row.logits_row for row in rows] == list(range(len(rows))):
+            # The decode program took each row's arg-max already: no sampler program to wait on.
+            return lookahead.Launched(tuple(rows), step_sampling.model_argmax(out.argmax), inputs, None,
+                                      out.following, tables)
         # Padded to the logits' rows when the warm-up compiled that size; otherwise (the token
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
+        logits = out.logits
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
         sampled, batch = step_sampling.dispatch(logits, rows, pad_to=pad_to)
-        return lookahead.Launched(tuple(rows), sampled, inputs, batch)
+        return lookahead.Launched(tuple(rows), sampled, inputs, batch, out.following, tables)
 
     def _dispatch_lookahead(self, works, launched: lookahead.Launched) -> lookahead.Lookahead | None:
         """Dispatch the decode after ``works`` (see :func:`engine.lookahead.eligible`), its input
@@ -355,12 +361,21 @@ class LLMEngine:
         tokens, inputs = launched.sampled.tokens, launched.inputs
         if inputs.pick or tokens.shape != inputs.input_ids.shape:
             return None
-        inputs = self.runner.advance(inputs).replace(input_ids=tokens)
-        logits, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
-        sampled, batch = step_sampling.dispatch_next(logits, launched.batch)
-        rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(launched.rows))
-        following = lookahead.Launched(rows, sampled, inputs, batch)
-        return lookahead.Lookahead(lookahead.next_works(works), following)
+        following = launched.following if launched.following is not None else self.runner.advance(inputs)
+        tables = tuple(work.block_table for work in works)
+        if tables != launched.block_tables:  # the scheduler reserved blocks since: the next slots may be there
+            following = self.runner.with_tables_of(following, works)
+        inputs = following.replace(input_ids=tokens)
+        out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
+        if launched.batch is None:  # the same program as ``launched``'s, so the arg-max is there
+            sampled, batch = step_sampling.model_argmax(out.argmax), None
+        else:
+            sampled, batch = step_sampling.dispatch_next(out.logits, launched.batch)
+        rows = launched.rows
+        if any(row.logits_row != i for i, row in enumerate(rows)):
+            rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
+        return lookahead.Lookahead(lookahead.next_works(works),
+                                   lookahead.Launched(rows, sampled, inputs, batch, out.following, tables))
 
     def _record(self, launched: lookahead.Launched, touched) -> list:
         """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""

@@ -10,12 +10,13 @@ the step again; otherwise the lookahead is dropped.
 
 A lookahead is only dispatched when it cannot disagree with the scheduler except by a
 sequence stopping at N (a stop token, EOS, an abort): a decode-only step, nothing waiting or
-swapped out (no admissions), no sequence at its length limit, every next token's slot the one
-after its last token's, in the same block (no allocation, so no preemption or copy-on-write),
-and no sampling input that depends on the token still on the device (penalties, bad words,
-``min_tokens`` still to reach) or on the host's choices (beam search). Dropping one is
-harmless: it wrote KV only one slot past each sequence's context, in a block the sequence
-alone wrote to at step N, where nothing reads before the slot is written again.
+swapped out (no admissions), no sequence at its length limit, every next token's slot already
+in its block table (in its last token's block, or in the next block, which the scheduler
+reserves a step early: ``SchedulerConfig.reserve_next_block``; so no allocation, preemption
+or copy-on-write), and no sampling input that depends on the token still on the device
+(penalties, bad words, ``min_tokens`` still to reach) or on the host's choices (beam search).
+Dropping one is harmless: it wrote KV only one slot past each sequence's context, in a block
+the sequence alone holds, where nothing reads before the slot is written again.
 
 A lookahead whose work lost some sequences is dropped, not taken in part: its rows of
 sequences that ended would go on into the next lookahead, writing KV past their freed blocks,
@@ -39,13 +40,17 @@ from engine.step_sampling import Row
 @dataclasses.dataclass(frozen=True)
 class Launched:
     """A step's sampling, dispatched: its rows, and the sampler's device arrays (whose first
-    rows are ``rows``, in order); the model's inputs and the sampler's parameters (what a
-    lookahead after it starts from)."""
+    rows are ``rows``, in order); the model's inputs and the sampler's parameters, None when
+    the tokens are the decode program's arg-max (what a lookahead after it starts from); the
+    next decode's inputs if the decode program computed them (``ModelOutput.following``), and
+    the block tables its inputs hold (those that decode's slots were found in)."""
 
     rows: tuple[Row, ...]
     sampled: SamplerOutput
     inputs: StepInputs
-    batch: SamplingBatch
+    batch: SamplingBatch | None
+    following: StepInputs | None
+    block_tables: tuple[tuple[int, ...], ...]  # those of ``inputs``, one per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +63,9 @@ class Lookahead:
 
 
 def _key(work: ScheduledGroupWork) -> tuple:
-    """What the scheduler decides about a work, without its token (the lookahead's is on the device)."""
-    return work.request_id, work.seq_ids, work.start, work.block_table, work.is_prefill, work.do_sample
+    """What the scheduler decides about a work, without its token (the lookahead's is on the
+    device) and its block table (see :func:`computed`)."""
+    return work.request_id, work.seq_ids, work.start, work.is_prefill, work.do_sample
 
 
 def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
@@ -78,17 +84,10 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
                 or len(work.seq_ids) != 1 or not _sampling_is_static(request, work.seq_ids[0])
-                or not _next_slot_follows(work, block_size)
+                or work.start + 1 >= len(work.block_table) * block_size  # the next token's slot is not held
                 or len(request.generated(work.seq_ids[0])) + 1 >= request.max_tokens):
             return False
     return True
-
-
-def _next_slot_follows(work: ScheduledGroupWork, block_size: int) -> bool:
-    """Whether the token after ``work``'s goes in the slot after its token's, in the same block
-    (a block table holds the context's blocks only: the next block would need an allocation)."""
-    following = work.start + 1
-    return following % block_size != 0 and following < len(work.block_table) * block_size
 
 
 def _sampling_is_static(request: RequestState, seq_id: int) -> bool:
@@ -104,6 +103,10 @@ def _sampling_is_static(request: RequestState, seq_id: int) -> bool:
 
 
 def computed(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> bool:
-    """Whether the lookahead of ``lookahead_works`` computed exactly the step ``plan`` plans."""
+    """Whether the lookahead of ``lookahead_works`` computed exactly the step ``plan`` plans:
+    the same works, through the same blocks (the plan's tables may hold a block more, reserved
+    since for later tokens)."""
     return (not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted)
-            and [_key(work) for work in plan.scheduled] == [_key(work) for work in lookahead_works])
+            and [_key(work) for work in plan.scheduled] == [_key(work) for work in lookahead_works]
+            and all(planned.block_table[: len(work.block_table)] == work.block_table
+                    for planned, work in zip(plan.scheduled, lookahead_works)))

@@ -18,6 +18,7 @@ import jax
 
 import models
 import pallas_paged
+from engine import sampler
 
 
 def _replicated(x):
@@ -51,20 +52,37 @@ def _head(config, params, h, argmax_rows):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
 def _decode(config, params, input_ids, positions, metadata, kv_caches):
-    """The whole model for a decode step: the logits of every row (see ``ModelRunner.run``)."""
+    """The whole model for a decode step (see ``ModelRunner.run``): the logits of every row
+    (float32 [T, vocab]), the new caches, each row's arg-max (int32 [T]; zeros unless
+    ``metadata.argmax_rows``, which is when the sampler would take nothing else) and the next
+    decode's positions, slots and context lengths (:func:`_advanced`), so that a lookahead
+    after this step waits on this program alone."""
     every_row = metadata.replace(logits_indices=jax.numpy.arange(input_ids.shape[0]))
-    return models.forward_fn(config)(params, input_ids, positions, every_row, kv_caches)
+    logits, kv_caches = models.forward_fn(config)(params, input_ids, positions, every_row, kv_caches)
+    tokens = jax.lax.cond(metadata.argmax_rows > 0, sampler.argmax,
+                          lambda x: jax.numpy.zeros(x.shape[0], jax.numpy.int32), logits)
+    return logits, kv_caches, tokens, _advanced(positions, metadata)
+
+
+def _advanced(positions, metadata):
+    """The positions (int32[T]), slots (int32[T]) and context lengths (int32[S]) of the
+    decode after the decode step of ``positions`` and ``metadata`` (token i is sequence i):
+    real rows one on, each next slot found in the row's block table (padding rows have slot
+    -1 and context 0, and keep them). For a lookahead (:mod:`engine.lookahead`)."""
+    size, tables = metadata.block_size, metadata.block_tables
+    assert size > 0, "the metadata's block size is needed to find the next slots"
+    real = metadata.slot_mapping >= 0
+    following = positions + 1
+    index = jax.numpy.minimum(following // size, tables.shape[1] - 1)[:, None]  # padding rows stay in the table
+    slots = jax.numpy.take_along_axis(tables, index, axis=1)[:, 0] * size + following % size
+    return (jax.numpy.where(real, following, positions), jax.numpy.where(real, slots, -1),
+            jax.numpy.where(metadata.context_lens > 0, metadata.context_lens + 1, 0))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _advance(config, positions, slot_mapping, context_lens):
-    """The inputs of a lookahead (:mod:`engine.lookahead`), from those of the decode step before
-    it, whose sequences' next tokens all stay in the blocks of their last: positions int32[T],
-    slot_mapping int32[T] and context_lens int32[S] of the real rows one on (padding rows have
-    slot -1 and context 0, and keep them)."""
-    real = slot_mapping >= 0
-    return (jax.numpy.where(real, positions + 1, positions), jax.numpy.where(real, slot_mapping + 1, -1),
-            jax.numpy.where(context_lens > 0, context_lens + 1, 0))
+def _advance(config, positions, metadata):
+    """:func:`_advanced` as a program, for steps run a program per stage."""
+    return _advanced(positions, metadata)
 
 
 STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode, "advance": _advance}

@@ -97,6 +97,26 @@ class StepInputs:
     pick: bool = flax.struct.field(pytree_node=False, default=True)
 
 
+@flax.struct.dataclass
+class ModelOutput:
+    """What the model gives for a step: float32 logits [L, vocab]. Decode steps run as one
+    program (``ONE_PROGRAM_ROWS``) also give, else None, each row's arg-max (int32 [L]; valid
+    when ``Metadata.argmax_rows`` is set) and the inputs of the decode one position on
+    (:meth:`ModelRunner.advance`'s, with this step's input ids), computed in that program so
+    that a lookahead waits on nothing else."""
+
+    logits: jax.Array
+    argmax: jax.Array | None = None
+    following: StepInputs | None = None
+
+
+def _moved_on(inputs: StepInputs, advanced) -> StepInputs:
+    """``inputs`` with the positions, slots and context lengths ``advanced`` (``programs._advanced``'s)."""
+    positions, slots, context_lens = advanced
+    return inputs.replace(positions=positions,
+                          metadata=inputs.metadata.replace(slot_mapping=slots, context_lens=context_lens))
+
+
 class ModelRunner:
     """Runs the model for a scheduled step; owns the compiled programs and their buckets."""
 
@@ -163,24 +183,36 @@ class ModelRunner:
         argmax_rows = np.int32(len(logits_tokens) if argmax_only else 0)
         metadata = Metadata(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
                             query_start_loc=query_start_loc, logits_indices=_NO_ROWS, argmax_rows=argmax_rows,
-                            decode_only=decode_only)
+                            decode_only=decode_only, block_size=self.block_size)
         inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens), pick)
         return jax.device_put(inputs, self._inputs)
+
+    def with_tables_of(self, following: StepInputs, works: Sequence[ScheduledGroupWork]) -> StepInputs:
+        """``following``, the inputs of the decode after ``works`` (decodes), with their block
+        tables and slots from ``works``: for a lookahead when the scheduler gave a sequence its
+        next block (``SchedulerConfig.reserve_next_block``) after ``following`` was computed
+        on the device from the tables before."""
+        metadata, size = following.metadata, self.block_size
+        tables = np.zeros(metadata.block_tables.shape, np.int32)
+        slots = np.full(metadata.slot_mapping.shape, -1, np.int32)
+        for row, work in enumerate(works):
+            tables[row, : len(work.block_table)] = work.block_table
+            position = work.start + 1
+            slots[row] = work.block_table[position // size] * size + position % size
+        tables, slots = jax.device_put((tables, slots), self._inputs)
+        return following.replace(metadata=metadata.replace(block_tables=tables, slot_mapping=slots))
 
     def advance(self, inputs: StepInputs) -> StepInputs:
         """What :meth:`prepare` makes of the decodes one position after ``inputs``' (see
         :func:`engine.lookahead.next_works`), computed on the device from ``inputs``: only
-        when ``inputs`` is a decode step (not ``pick``) whose sequences' next tokens all stay
-        in the blocks of their last."""
-        metadata = inputs.metadata
-        positions, slots, context_lens = programs.call("advance", inputs.positions, metadata.slot_mapping,
-                                                       metadata.context_lens, config=self.config, mesh=self.mesh)
-        return inputs.replace(positions=positions,
-                              metadata=metadata.replace(slot_mapping=slots, context_lens=context_lens))
+        when ``inputs`` is a decode step (not ``pick``) whose sequences' block tables all hold
+        their next tokens' slots."""
+        return _moved_on(inputs, programs.call("advance", inputs.positions, inputs.metadata, config=self.config,
+                                               mesh=self.mesh))
 
-    def run(self, inputs: StepInputs, kv_caches):
-        """Run every stage. Returns (float32 logits [L, vocab], new kv_caches); the first
-        ``inputs.num_logits`` rows are the ones asked for (the rest is padding).
+    def run(self, inputs: StepInputs, kv_caches) -> tuple[ModelOutput, list]:
+        """Run every stage. Returns (the model's output, new kv_caches); the first
+        ``inputs.num_logits`` rows of its logits are the ones asked for (the rest is padding).
 
         The caches are donated: use the returned ones.
         """
@@ -193,7 +225,8 @@ class ModelRunner:
             if program is None:
                 program = self._whole_model[len(inputs.input_ids)] = programs.executable(
                     "decode", *args, config=self.config, mesh=self.mesh)
-            return program(*args)
+            logits, kv_caches, argmax, advanced = program(*args)
+            return ModelOutput(logits, argmax, _moved_on(inputs, advanced)), kv_caches
         x, positional = call("embed", self.outer_params, inputs.input_ids, inputs.positions)
         layer = programs.executable("layer", self.params["layers"][0], x, positional, inputs.metadata,
                                     kv_caches[0], config=self.config, mesh=self.mesh)
@@ -202,7 +235,7 @@ class ModelRunner:
             x, kv_cache = layer(layer_params, x, positional, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
         h = call("pick", x, inputs.logits_rows) if inputs.pick else x
-        return call("head", self.outer_params, h, inputs.metadata.argmax_rows), new_caches
+        return ModelOutput(call("head", self.outer_params, h, inputs.metadata.argmax_rows)), new_caches
 
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
@@ -214,9 +247,8 @@ class ModelRunner:
         for kind, num_tokens, num_logits in shapes:
             works = self._dummy_works(kind, num_tokens)
             inputs = abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
-            if kind == 1:  # a lookahead's inputs (``advance``)
-                calls.append(("advance", self.config, self.mesh, (inputs.positions, inputs.metadata.slot_mapping,
-                                                                   inputs.metadata.context_lens)))
+            if kind == 1 and num_tokens not in self.one_program_buckets:  # a lookahead's inputs (``advance``)
+                calls.append(("advance", self.config, self.mesh, (inputs.positions, inputs.metadata)))
             if kind == 1 and num_tokens in self.one_program_buckets:
                 calls.append(("decode", self.config, self.mesh, (abstract(self.params), inputs.input_ids,
                                                                  inputs.positions, inputs.metadata,

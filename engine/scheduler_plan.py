@@ -36,17 +36,19 @@ class _Step:
 
 def _work(
     blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int,
-    do_sample: bool,
+    do_sample: bool, *, whole_table: bool = False,
 ) -> ScheduledGroupWork:
-    """The next `length` uncomputed tokens of seqs[0], written for all of `seqs`."""
+    """The next `length` uncomputed tokens of seqs[0], written for all of `seqs`, through the
+    blocks they need (`whole_table`: every block of the table, blocks reserved ahead too)."""
     first, size = seqs[0], blocks.config.block_size
     start = first.num_computed_tokens
+    table = bm.block_table(blocks, first.seq_id)
     return ScheduledGroupWork(
         request_id=group.request_id,
         seq_ids=tuple(seq.seq_id for seq in seqs),
         token_ids=first.token_ids[start : start + length],
         start=start,
-        block_table=bm.block_table(blocks, first.seq_id)[: blocks_for(start + length, size)],
+        block_table=table if whole_table else table[: blocks_for(start + length, size)],
         is_prefill=group.in_prefill,
         do_sample=do_sample,
     )
@@ -104,7 +106,7 @@ def _run_decode(step: _Step, group: SequenceGroup) -> _Step:
         assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
         blocks, copy = bm.append_slot(blocks, seq)
         copies += [copy] if copy else []
-        work.append(_work(blocks, group, (seq,), 1, do_sample=True))
+        work.append(_work(blocks, group, (seq,), 1, do_sample=True, whole_table=True))
     return _join(step, group, tuple(work), blocks, tuple(copies))
 
 
@@ -190,6 +192,20 @@ def _schedule_running(state: SchedulerState) -> _Step:
     for group in prefilling:
         step = _run_prefill(step, group, state.config)
     return step
+
+
+def _reserve_next_blocks(step: _Step, config: SchedulerConfig) -> _Step:
+    """Give each decode whose next token opens a block that block now, where one is free
+    (`SchedulerConfig.reserve_next_block`); the decode's work then names it."""
+    blocks, works, size = step.blocks, [], config.block_manager.block_size
+    for work in step.work:
+        following = work.context_len  # the position of the next token
+        if (not work.is_prefill and following < config.max_model_len and following >= len(work.block_table) * size
+                and bm.can_append_block(blocks, work.seq_ids[0])):
+            blocks = bm.append_block(blocks, work.seq_ids[0])
+            work = dataclasses.replace(work, block_table=bm.block_table(blocks, work.seq_ids[0]))
+        works.append(work)
+    return dataclasses.replace(step, blocks=blocks, work=tuple(works))
 
 
 def _ignore(step: _Step, group: SequenceGroup, reason: str) -> _Step:
@@ -298,6 +314,8 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
         step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not step.running):
             step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
+    if config.reserve_next_block and not (step.preempted or swapped or waiting):
+        step = _reserve_next_blocks(step, config)
     output = SchedulerOutput(
         scheduled=step.work,
         blocks_to_swap_in=step.swap_in,

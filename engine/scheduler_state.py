@@ -29,6 +29,11 @@ class SchedulerConfig:
     several (they share blocks). A swap that the host pool cannot take falls back to recompute.
     `policy` "static" admits a batch only when nothing runs and keeps it until all its members
     finish (FasterTransformer-style); "fcfs" is continuous batching.
+    With `reserve_next_block` (the engine's async scheduling), a decoding sequence whose next
+    token will open a block gets that block one step early, when nothing waits and a block is
+    free: the step after can then be dispatched before this one's tokens are known
+    (`engine.lookahead`), across block boundaries too. The block would be taken at the next
+    step anyway (before any admission), so this costs one empty block for one step.
     """
 
     max_num_batched_tokens: int
@@ -37,6 +42,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     preemption_mode: str | None = None
     policy: str = "fcfs"
+    reserve_next_block: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -63,7 +69,8 @@ class ScheduledGroupWork:
 
     `token_ids` sit at positions start .. start + len(token_ids) - 1 and are written through
     `block_table`, the blocks holding positions 0 .. context_len - 1 (the same physical blocks
-    for all of `seq_ids`). `is_prefill` marks a group that has not sampled since admission: its
+    for all of `seq_ids`), and for a decode, the block of the token after it if reserved
+    already (`SchedulerConfig.reserve_next_block`). `is_prefill` marks a group that has not sampled since admission: its
     prompt, or, after preemption by recompute, its prompt and generated tokens; decodes compute
     the one token sampled last step. With `do_sample`, the engine samples one token per seq_id
     from the logits of the last token (False for a chunk that does not reach the end).

@@ -159,6 +159,16 @@ def _sample(logits, rows: list[Row], batch: SamplingBatch) -> SamplerOutput:
     return sample(logits, batch)
 
 
+def model_argmax(tokens) -> SamplerOutput:
+    """What the sampler gives rows whose tokens are the model's arg-max (:func:`argmax_suffices`):
+    ``tokens`` (int32 [rows], on the device), and the zeros it gives where no log-probability
+    is asked for."""
+    rows = tokens.shape[0]
+    nothing = np.zeros((rows, 0), np.float32)
+    return SamplerOutput(tokens, np.zeros(rows, np.float32), np.zeros(rows, np.int32), nothing.astype(np.int32),
+                         nothing)
+
+
 def fetch(out: SamplerOutput, num_rows: int) -> SamplerOutput:
     """The first ``num_rows`` rows of :func:`dispatch`'s arrays, as numpy (waits for them)."""
     return SamplerOutput(*(np.asarray(x)[:num_rows] for x in (out.tokens, out.logprobs, out.ranks, out.top_tokens,

@@ -35,6 +35,8 @@ class Metadata:
       be a row's largest; 0 or None when every logit is wanted.
     decode_only: static; every sequence has exactly one token this step and
       T == S, so the decode kernel is used instead of the ragged one.
+    block_size: static; tokens per KV block, what slots and block tables count
+      in (0 when not given; the model does not need it).
     """
 
     slot_mapping: jax.Array
@@ -44,6 +46,7 @@ class Metadata:
     logits_indices: jax.Array
     argmax_rows: jax.Array | None = None
     decode_only: bool = flax.struct.field(pytree_node=False, default=False)
+    block_size: int = flax.struct.field(pytree_node=False, default=0)
 
     def write_and_attend(self, q, k, v, kv_cache, *, scale):
         """Store this step's K and V, then causal paged attention for its queries.

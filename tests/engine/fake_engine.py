@@ -23,7 +23,7 @@ EOS = 0
 def make_config(
     *, block_size=4, num_device_blocks=64, num_host_blocks=64, max_num_batched_tokens=64,
     max_num_seqs=8, max_model_len=64, watermark=0.0, prefix_caching=False, reservation="paged",
-    preemption_mode=None, policy="fcfs",
+    preemption_mode=None, policy="fcfs", reserve_next_block=False,
 ) -> sch.SchedulerConfig:
     """A scheduler configuration with small, overridable defaults."""
     return sch.SchedulerConfig(
@@ -32,6 +32,7 @@ def make_config(
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
         policy=policy,
+        reserve_next_block=reserve_next_block,
         block_manager=bm.BlockManagerConfig(
             block_size=block_size,
             num_device_blocks=num_device_blocks,

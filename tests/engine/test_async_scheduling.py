@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine import LLM, SamplingParams
-from engine import lookahead
+from engine import lookahead, step_sampling
 from engine.scheduler import ScheduledGroupWork
 from tests.engine.tiny import ENGINE, prompts, tiny_llm
 
@@ -71,8 +71,24 @@ def test_a_single_sequence_decodes_mostly_from_lookaheads(llms):
     (ours,) = on.generate(prompt, greedy, use_tqdm=False)
     assert _seen(ours) == _seen(off.generate(prompt, greedy, use_tqdm=False)[0])
     steps, taken = on.engine.counters.steps - steps, on.engine.counters.lookahead_steps - taken
-    # All but the prefill, the first decode and the steps that open a block (one in 8).
-    assert taken >= steps - 2 - 64 // ENGINE["block_size"]
+    # All but the prefill and the first decode, the steps whose next tokens open a block too.
+    assert taken == steps - 2
+
+
+def test_greedy_decodes_take_the_decode_programs_arg_max(llms, monkeypatch):
+    """After the prefill, greedy steps run no sampler program (each token is the decode
+    program's own arg-max), with async scheduling and without, and give the same outputs."""
+    on, off, vocab = llms
+    sampled_steps = []
+    for name in ("dispatch", "dispatch_next"):
+        real = getattr(step_sampling, name)
+        monkeypatch.setattr(step_sampling, name, lambda *args, real=real, **kw: sampled_steps.append(args[0].shape)
+                            or real(*args, **kw))
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    batch = prompts(3, vocab, seed=12)
+    ours = on.generate(batch, greedy, use_tqdm=False)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, greedy, use_tqdm=False)]
+    assert len(sampled_steps) == 2  # the prefill of each engine
 
 
 def _drive(llm, events) -> dict:
@@ -159,7 +175,7 @@ def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_the_advanced_inputs_are_those_prepare_makes(llms, rows):
     runner = llms[0].engine.runner
-    starts = [8 * (i % 5) + i % 7 for i in range(rows)]  # the next token in the same block of 8
+    starts = [8 * (i % 5) + 7 - i % 8 for i in range(rows)]  # blocks of 8: row 0's next token opens one
     works = [ScheduledGroupWork("r", (i,), (4 + i,), start, tuple(range(3 * i, 3 * i + 10)), False, True)
              for i, start in enumerate(starts)]
     advanced = runner.advance(runner.prepare(works, range(rows)))

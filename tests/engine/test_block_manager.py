@@ -95,6 +95,23 @@ def test_fork_shares_every_block_and_free_releases_only_the_child():
     assert state.device.refcounts[:2] == (1, 1)
 
 
+def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
+    """A block appended before any token needs it (the scheduler's reservation ahead) is shared
+    by a fork too; the next token's block, not the table's last, is then copied on write."""
+    seq = Sequence(0, tuple(range(6)))
+    state, _ = bm.allocate(bm.initial_state(make_config()), make_group(seq.prompt_token_ids))
+    assert bm.can_append_block(state, 0)
+    state = bm.append_block(state, 0)
+    assert bm.block_table(state, 0) == (0, 1, 2)
+    state = bm.fork(state, 0, 5)
+    state, copy = bm.append_slot(state, grow(seq, 7))  # position 6, in block 1
+    assert copy == (1, 3) and bm.block_table(state, 0) == (0, 3, 2)
+    assert bm.block_table(state, 5) == (0, 1, 2) and state.device.refcounts[:4] == (2, 1, 2, 1)
+    for seq_id in (0, 5):
+        state = bm.free(state, seq_id)
+    assert bm.num_free_device_blocks(state) == 8
+
+
 def test_swap_out_and_in_keep_sharing():
     group = make_group(range(6), num_seqs=2)
     state, _ = bm.allocate(bm.initial_state(make_config()), group)

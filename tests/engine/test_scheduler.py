@@ -1,6 +1,8 @@
 """The scheduler driven like the engine drives it, over the checking fake engine: resumption
 after preemption, replay, abort, and the errors an engine or a user can cause."""
 
+import dataclasses
+
 import pytest
 
 from engine import block_manager as bm
@@ -70,6 +72,31 @@ def requests_added(state, requests):
     for _, request_id, prompt, num_seqs, max_tokens in requests:
         state = sch.add_request(state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs)
     return state
+
+
+def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
+    """With ``reserve_next_block`` (async scheduling) each decode's table holds its next
+    token's slot: a block is taken a step early when that token opens it, unless requests
+    wait. The outputs are those without, and every block comes back."""
+    requests = [(0, "a", (1, 2, 3, 4, 5), 1, 9)]
+    config = make_config(block_size=4, reserve_next_block=True)
+    state = requests_added(sch.initial_state(config), requests)
+    tables = []
+    while state.running or state.waiting:
+        state, out = sch.schedule(state)
+        tables += [(work.context_len, len(work.block_table)) for work in out.scheduled if not work.is_prefill]
+        state = sch.update(state, append_ones(out))
+    # Context 8: the next token (position 8) opens a third block, taken now.
+    assert tables == [(6, 2), (7, 2), (8, 3), (9, 3), (10, 3), (11, 3), (12, 4), (13, 4)]
+    assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+    assert serve(config, requests)[0] == serve(make_config(block_size=4), requests)[0]
+
+    waiting = requests_added(sch.initial_state(dataclasses.replace(config, max_num_seqs=1)),
+                             requests + [(0, "b", (1, 2), 1, 3)])
+    for _ in range(4):
+        waiting, out = sch.schedule(waiting)
+        waiting = sch.update(waiting, append_ones(out))
+    assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # "b" waits
 
 
 def test_the_same_calls_give_equal_states():

@@ -41,6 +41,7 @@ def configs(draw):
         reservation=reservation,
         preemption_mode=draw(st.sampled_from([None, None, "recompute", "swap", "swap"])),
         policy=draw(st.sampled_from(["fcfs", "fcfs", "static"])),
+        reserve_next_block=draw(st.booleans()),
     )
 
 

@@ -27,7 +27,7 @@ def logits(llm, prompt):
     work = ScheduledGroupWork("check", (0,), tuple(prompt), 0, tuple(range(-(-len(prompt) // 8))), True, True)
     inputs = runner.prepare([work], list(range(len(prompt))))
     out, llm.engine.cache.kv_caches = runner.run(inputs, llm.engine.cache.kv_caches)
-    return np.asarray(out)[: len(prompt)]
+    return np.asarray(out.logits)[: len(prompt)]
 
 
 def main():
