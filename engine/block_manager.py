@@ -316,8 +316,9 @@ def append_slot(
 
 
 def can_append_block(state: BlockManagerState, seq_id: int) -> bool:
-    """Whether `append_block` has a block for `seq_id`: reserved, or free."""
-    return bool(state.seqs[seq_id].reserved) or num_free_device_blocks(state) > 0
+    """Whether `append_block` has a block for `seq_id` without evicting a cached one: reserved,
+    or on the free list."""
+    return bool(state.seqs[seq_id].reserved or state.device.free)
 
 
 def append_block(state: BlockManagerState, seq_id: int) -> BlockManagerState:

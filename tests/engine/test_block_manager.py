@@ -104,7 +104,7 @@ def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
     state = bm.append_block(state, 0)
     assert bm.block_table(state, 0) == (0, 1, 2)
     state = bm.fork(state, 0, 5)
-    state, copy = bm.append_slot(state, grow(seq, 7))  # position 6, in block 1
+    state, copy = bm.append_slot(state, grow(seq, 7))  # position 6, in block 1, shared
     assert copy == (1, 3) and bm.block_table(state, 0) == (0, 3, 2)
     assert bm.block_table(state, 5) == (0, 1, 2) and state.device.refcounts[:4] == (2, 1, 2, 1)
     for seq_id in (0, 5):
@@ -261,6 +261,7 @@ def test_unreferenced_cached_blocks_are_free_and_evicted_least_recently_used():
     state, _ = bm.allocate(state, make_group(range(12), first_seq_id=2))  # 3 blocks: evicts 0
     assert set(bm.block_table(state, 2)) == {1, 3, 0}
     assert not prefix_cache.is_cached(state.prefix_cache, 0)
+    assert not bm.can_append_block(state, 2)  # only the cached block 2 is left: kept for hits
     state = bm.free(state, 2)
     _, num_cached = bm.allocate(state, make_group([2] * 4 + [0], first_seq_id=3))
     assert num_cached == 4

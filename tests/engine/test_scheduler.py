@@ -77,7 +77,8 @@ def requests_added(state, requests):
 def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
     """With ``reserve_next_block`` (async scheduling) each decode's table holds its next
     token's slot: a block is taken a step early when that token opens it, unless requests
-    wait. The outputs are those without, and every block comes back."""
+    wait or the sequence samples its last token. The outputs are those without, and every
+    block comes back."""
     requests = [(0, "a", (1, 2, 3, 4, 5), 1, 9)]
     config = make_config(block_size=4, reserve_next_block=True)
     state = requests_added(sch.initial_state(config), requests)
@@ -90,6 +91,12 @@ def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
     assert tables == [(6, 2), (7, 2), (8, 3), (9, 3), (10, 3), (11, 3), (12, 4), (13, 4)]
     assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
     assert serve(config, requests)[0] == serve(make_config(block_size=4), requests)[0]
+
+    last = requests_added(sch.initial_state(config), [(0, "a", (1, 2, 3, 4, 5), 1, 4)])
+    for _ in range(4):
+        last, out = sch.schedule(last)
+        last = sch.update(last, append_ones(out))
+    assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # its last token
 
     waiting = requests_added(sch.initial_state(dataclasses.replace(config, max_num_seqs=1)),
                              requests + [(0, "b", (1, 2), 1, 3)])
