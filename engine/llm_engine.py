@@ -179,7 +179,8 @@ class LLMEngine:
         wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         self.state = sch.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
                                      expected_output_len=expected_output_len,
-                                     use_prefix_cache=not wants_prompt_logprobs)
+                                     use_prefix_cache=not wants_prompt_logprobs,
+                                     may_fork=isinstance(params, BeamSearchParams))
         group = sch.find_group(self.state, request_id)
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))

@@ -108,9 +108,12 @@ def add_request(
     num_seqs: int = 1,
     expected_output_len: int | None = None,
     use_prefix_cache: bool = True,
+    may_fork: bool = False,
 ) -> SchedulerState:
     """Queue a request of `num_seqs` sequences sharing the prompt (n / best_of / beam width).
-    `use_prefix_cache` False: compute the whole prompt, whatever the prefix cache holds."""
+    `use_prefix_cache` False: compute the whole prompt, whatever the prefix cache holds.
+    `may_fork`: its updates may fork sequences (beam search), so no block is reserved ahead
+    for them (`SchedulerConfig.reserve_next_block`)."""
     config, prompt = state.config, tuple(prompt_token_ids)
     if not prompt:
         raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
@@ -137,6 +140,7 @@ def add_request(
         num_seqs=num_seqs,
         expected_output_len=expected_output_len,
         use_prefix_cache=use_prefix_cache,
+        may_fork=may_fork,
     )
     return dataclasses.replace(
         state,

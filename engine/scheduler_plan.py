@@ -196,15 +196,15 @@ def _schedule_running(state: SchedulerState) -> _Step:
 
 def _reserve_next_blocks(step: _Step, config: SchedulerConfig) -> _Step:
     """Give each decode whose next token opens a block that block now, from the free list
-    (`SchedulerConfig.reserve_next_block`); the decode's work then names it. Only for groups of
-    one sequence (the others may fork, which would share the block only to copy it), and only
-    for a sequence that samples again after this step (within max_tokens and max_model_len)."""
+    (`SchedulerConfig.reserve_next_block`); the decode's work then names it. Not for groups that
+    may fork (beam search: a fork would share the block only to copy it), and only for a
+    sequence that samples again after this step (within max_tokens and max_model_len)."""
     blocks, works, size = step.blocks, [], config.block_manager.block_size
-    groups = {group.request_id: group for group in step.running}
+    seqs = {seq.seq_id: (group, seq) for group in step.running if not group.may_fork for seq in group.seqs}
     for work in step.work:
-        group = groups[work.request_id]
+        group, seq = seqs.get(work.seq_ids[0], (None, None))
         following = work.context_len  # the position of the next token
-        if (not work.is_prefill and group.num_seqs == 1 and len(group.seqs[0].output_token_ids) + 1 < group.max_tokens
+        if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
                 and following < config.max_model_len and following >= len(work.block_table) * size
                 and bm.can_append_block(blocks, work.seq_ids[0])):
             blocks = bm.append_block(blocks, work.seq_ids[0])

@@ -67,6 +67,8 @@ class SequenceGroup:
     `in_prefill` is true from admission until the group first samples. `ignored_reason` says why
     a request was refused (FINISHED_IGNORED). `use_prefix_cache` False computes the whole prompt
     even when the prefix cache holds part of it (a request that wants every prompt token's logits).
+    `may_fork` marks a group whose updates may fork sequences (beam search): a block reserved
+    ahead for one of them would only be shared, then copied.
     """
 
     request_id: str
@@ -78,6 +80,7 @@ class SequenceGroup:
     in_prefill: bool = True
     ignored_reason: str | None = None
     use_prefix_cache: bool = True
+    may_fork: bool = False
 
     @functools.cached_property
     def unfinished_seqs(self) -> tuple[Sequence, ...]:

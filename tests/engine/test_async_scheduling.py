@@ -75,6 +75,19 @@ def test_a_single_sequence_decodes_mostly_from_lookaheads(llms):
     assert taken == steps - 2
 
 
+def test_parallel_samples_decode_mostly_from_lookaheads(llms):
+    """n=2 sampling crosses block boundaries from lookaheads too (its blocks are reserved a
+    step early, as a single sequence's), with the outputs of the synchronous engine."""
+    on, off, vocab = llms
+    params = SamplingParams(n=2, temperature=1.0, seed=13, max_tokens=40, ignore_eos=True)
+    prompt = prompts(1, vocab, seed=9)
+    steps, taken = on.engine.counters.steps, on.engine.counters.lookahead_steps
+    (ours,) = on.generate(prompt, params, use_tqdm=False)
+    assert _seen(ours) == _seen(off.generate(prompt, params, use_tqdm=False)[0])
+    steps, taken = on.engine.counters.steps - steps, on.engine.counters.lookahead_steps - taken
+    assert taken == steps - 2  # all but the prefill and the first decode
+
+
 def test_greedy_decodes_take_the_decode_programs_arg_max(llms, monkeypatch):
     """After the prefill, greedy steps run no sampler program (each token is the decode
     program's own arg-max), with async scheduling and without, and give the same outputs."""

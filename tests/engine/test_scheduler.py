@@ -106,6 +106,29 @@ def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
     assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # "b" waits
 
 
+def test_parallel_samples_reserve_their_next_blocks_and_beams_do_not():
+    """Sequences of a group that does not fork (parallel sampling) each get their next block a
+    step early; a beam-search group's (``may_fork``) do not: a fork would share the block only
+    to copy it."""
+    config = make_config(block_size=4, reserve_next_block=True)
+
+    def tables(may_fork):
+        state = sch.add_request(sch.initial_state(config), "a", (1, 2, 3, 4, 5), max_tokens=6, num_seqs=2,
+                                may_fork=may_fork)
+        seen = []
+        while state.running or state.waiting:
+            state, out = sch.schedule(state)
+            seen += [(work.seq_ids, work.context_len, len(work.block_table)) for work in out.scheduled
+                     if not work.is_prefill]
+            state = sch.update(state, append_ones(out))
+        assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+        return seen
+
+    assert tables(may_fork=False) == [((0,), 6, 2), ((1,), 6, 2), ((0,), 7, 2), ((1,), 7, 2),
+                                      ((0,), 8, 3), ((1,), 8, 3), ((0,), 9, 3), ((1,), 9, 3), ((0,), 10, 3), ((1,), 10, 3)]
+    assert [length for *_, length in tables(may_fork=True)] == [2] * 6 + [3] * 4
+
+
 def test_the_same_calls_give_equal_states():
     config = make_config(num_device_blocks=18, max_num_batched_tokens=12, prefix_caching=True)
     assert serve(config, workload())[1] == serve(config, workload())[1]

@@ -47,9 +47,11 @@ def configs(draw):
 
 @st.composite
 def requests(draw):
-    """(prompt, num_seqs, max_tokens, expected_output_len); prompts share prefixes often."""
+    """(prompt, num_seqs, max_tokens, expected_output_len, may_fork); prompts share prefixes
+    often. Sequences fork whatever `may_fork` says: a fork of a sequence that holds a block
+    reserved ahead must copy, not share, what it writes next."""
     prompt = draw(st.sampled_from(PREFIXES)) + tuple(draw(st.lists(st.integers(1, 4), max_size=6)))
-    return prompt, draw(st.integers(1, 3)), draw(st.integers(1, 16)), draw(st.integers(1, 12))
+    return prompt, draw(st.integers(1, 3)), draw(st.integers(1, 16)), draw(st.integers(1, 12)), draw(st.booleans())
 
 
 @SETTINGS
@@ -59,7 +61,7 @@ def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
     exactly what it produces with ample memory."""
     timed = [
         (arrival, f"{'beam' if i % 3 else 'req'}{i}", prompt, min(n, config.max_num_seqs), limit)
-        for i, (arrival, (prompt, n, limit, _)) in enumerate(arrivals)
+        for i, (arrival, (prompt, n, limit, _, _)) in enumerate(arrivals)
     ]
     ample_blocks = dataclasses.replace(config.block_manager, num_device_blocks=512, watermark=0.0)
     ample = dataclasses.replace(config, max_num_batched_tokens=256, block_manager=ample_blocks)
@@ -172,10 +174,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state = state
 
     def add(self, requests):
-        for prompt, num_seqs, max_tokens, expected in requests:
+        for prompt, num_seqs, max_tokens, expected, may_fork in requests:
             kwargs = dict(
                 max_tokens=max_tokens, num_seqs=min(num_seqs, self.config.max_num_seqs),
-                expected_output_len=expected,
+                expected_output_len=expected, may_fork=may_fork,
             )
             call = ("add", f"r{len(self.calls)}", prompt, kwargs)
             self._record(call, sch.add_request(self.state, call[1], call[2], **call[3]))
