@@ -257,11 +257,15 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
 # --- decoding -------------------------------------------------------------------------------
 
 
-def _append_needs(state: BlockManagerState, seqs: Iterable[Sequence]) -> int:
+def _append_needs(
+    state: BlockManagerState, seqs: Iterable[Sequence], refcounts: tuple[int, ...] | None = None
+) -> int:
     """New device blocks `append_slot` takes from the pool for `seqs`, called in this order: one
     per full last block, one per copy-on-write (once the other holders of a shared block have
-    copied, the last writes in place), none where a reservation covers it."""
-    size, refcounts = state.config.block_size, state.device.refcounts
+    copied, the last writes in place), none where a reservation covers it. `refcounts`: of the
+    pool the tables point into (the device's unless given; the host's for a swapped group)."""
+    size = state.config.block_size
+    refcounts = state.device.refcounts if refcounts is None else refcounts
     need, copied = 0, collections.Counter()
     for seq in seqs:
         entry = state.seqs[seq.seq_id]
@@ -429,9 +433,14 @@ def can_swap_out(state: BlockManagerState, group: SequenceGroup) -> bool:
 
 
 def num_swap_in_blocks(state: BlockManagerState, group: SequenceGroup) -> int:
-    """Device blocks a swap-in needs: the group's blocks plus one per sequence for its next
-    token."""
-    return len(_distinct_blocks(state, group)) + len(group.unfinished_seqs)
+    """Device blocks a swap-in needs: the group's blocks, and for a decoding group what
+    `append_slot` then takes for its sequences' last tokens (none where the table already
+    holds that token's slot: a last block with room, or one appended ahead for it). A group
+    swapped mid-prefill holds blocks for all its tokens already (`allocate`)."""
+    blocks = len(_distinct_blocks(state, group))
+    if group.in_prefill:
+        return blocks
+    return blocks + _append_needs(state, group.unfinished_seqs, state.host.refcounts)
 
 
 def can_swap_in(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
@@ -475,8 +484,10 @@ def swap_out(
 ) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
     """Move the group's blocks to host, all or nothing; returns (device, host) block pairs.
 
-    Reserved blocks are released (they hold no KV). Freed device blocks may be reused in the
-    same step, so the cache engine must copy these pairs out before any other block operation.
+    Reserved blocks (`SeqBlocks.reserved`, the Orca baselines') are released: they hold no KV.
+    A block appended ahead (`append_block`) is in the table, for the last token, and moves with
+    it. Freed device blocks may be reused in the same step, so the cache engine must copy these
+    pairs out before any other block operation.
     """
     assert can_swap_out(state, group)
     return _move(state, group, to_device=False)

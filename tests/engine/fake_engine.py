@@ -154,7 +154,7 @@ def serve(config, requests, max_steps=500):
             if arrival == step:
                 state = sch.add_request(
                     state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs,
-                    expected_output_len=max_tokens, may_fork=request_id.startswith("beam"),
+                    expected_output_len=max_tokens, may_fork=request_id.startswith("beam") and num_seqs > 1,
                 )
         state, out = sch.schedule(state)
         cache.apply(out)

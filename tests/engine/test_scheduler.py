@@ -118,15 +118,20 @@ def test_parallel_samples_reserve_their_next_blocks_and_beams_do_not():
         seen = []
         while state.running or state.waiting:
             state, out = sch.schedule(state)
-            seen += [(work.seq_ids, work.context_len, len(work.block_table)) for work in out.scheduled
+            seen += [(work.seq_ids, work.context_len, work.block_table) for work in out.scheduled
                      if not work.is_prefill]
             state = sch.update(state, append_ones(out))
         assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
         return seen
 
-    assert tables(may_fork=False) == [((0,), 6, 2), ((1,), 6, 2), ((0,), 7, 2), ((1,), 7, 2),
-                                      ((0,), 8, 3), ((1,), 8, 3), ((0,), 9, 3), ((1,), 9, 3), ((0,), 10, 3), ((1,), 10, 3)]
-    assert [length for *_, length in tables(may_fork=True)] == [2] * 6 + [3] * 4
+    assert [(seq_ids, context, len(table)) for seq_ids, context, table in tables(may_fork=False)] == [
+        ((0,), 6, 2), ((1,), 6, 2), ((0,), 7, 2), ((1,), 7, 2), ((0,), 8, 3), ((1,), 8, 3), ((0,), 9, 3), ((1,), 9, 3),
+        ((0,), 10, 3), ((1,), 10, 3)]
+    last = {seq_ids: table for seq_ids, _, table in tables(may_fork=False)}
+    assert last[(0,)][0] == last[(1,)][0] and len({last[(0,)][2], last[(1,)][2]}) == 2  # own blocks ahead
+    assert [len(table) for *_, table in tables(may_fork=True)] == [2] * 6 + [3] * 4
+    pair = [(0, "a", (1, 2, 3, 4, 5), 2, 6)]
+    assert serve(config, pair)[0] == serve(make_config(block_size=4), pair)[0]
 
 
 def test_the_same_calls_give_equal_states():
