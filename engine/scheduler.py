@@ -26,7 +26,8 @@ once into blocks shared by the n sequences (one scheduled entry listing all n se
 engine samples n tokens from that entry's logits and sends one `Append` per sequence. On the
 next step each sequence writes its token; the first writers copy-on-write the shared last block.
 
-Beam search (width k): `add_request(..., num_seqs=k)`; the first step takes the top k tokens
+Beam search (width k): `add_request(..., num_seqs=k, may_fork=True)` (no block is reserved
+ahead for beams: a fork would share it only to copy it); the first step takes the top k tokens
 of the shared prompt logits, one `Append` per beam. Each later step, for every beam: chosen
 once → `Append(seq_id, token)`; chosen m > 1 times → m - 1 `Fork(seq_id, None, token)` plus an
 `Append`; not chosen → `Drop(seq_id)` (frees its blocks, removes it from the group); a beam
