@@ -54,7 +54,7 @@ def assert_close(actual, expected, dtype):
 @IMPLS
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])
 def test_decode_matches_oracle(impl, heads, head_dim, block_size):
     q_heads, kv_heads = heads
     contexts = [1, block_size, 3 * block_size, 5 * block_size + 1, 1037, 77]
@@ -66,7 +66,7 @@ def test_decode_matches_oracle(impl, heads, head_dim, block_size):
 
 @IMPLS
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])
 def test_ragged_matches_oracle(impl, heads, block_size):
     """Whole prompts, a chunk after a cached prefix, decodes and padding in one call."""
     q_heads, kv_heads = heads
