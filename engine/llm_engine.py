@@ -280,7 +280,8 @@ class LLMEngine:
         With ``async_scheduling``, a decode step may already have run as the previous step's
         lookahead (:mod:`engine.lookahead`): then its tokens are taken instead of running it.
         """
-        self.state, plan = sch.schedule(self.state)
+        ahead, self._lookahead = self._lookahead, None
+        self.state, plan = self._plan(ahead)
         touched: dict[str, RequestState] = {}
         for request_id, reason in plan.ignored:
             request = self.requests.get(request_id)
@@ -289,7 +290,6 @@ class LLMEngine:
                 touched[request_id] = request
                 if any(seq.token_ids for seq in request.seqs.values()) or request.first_token_time is not None:
                     log.warning("request %s stopped before its end: %s", request_id, reason)
-        ahead, self._lookahead = self._lookahead, None
         blocks_moved = False
         try:
             if ahead is not None and lookahead.computed(ahead.works, plan):
@@ -311,6 +311,18 @@ class LLMEngine:
             raise
         self.counters.steps += 1
         return self._collect(touched)
+
+    def _plan(self, ahead: lookahead.Lookahead | None) -> tuple[sch.SchedulerState, sch.SchedulerOutput]:
+        """The scheduler's plan for this step. Requests that arrived while the lookahead
+        ``ahead`` ran wait a step more if the plan without them is the lookahead's work: the
+        device is running that step anyway, and a plan that admitted them would drop it, so
+        its time would be lost to every running request, and the new ones would start no
+        sooner (their step waits for it on the device either way)."""
+        if ahead is not None and self.state.waiting:
+            state, plan = sch.schedule(self.state, admit=False)
+            if lookahead.computed(ahead.works, plan):
+                return state, plan
+        return sch.schedule(self.state)
 
     def _recover(self, plan: sch.SchedulerOutput, error: BaseException, every_request: bool) -> None:
         """Abort the requests a failed step touched and close the step, so no block stays held.

@@ -304,10 +304,12 @@ def _by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
     return tuple(sorted(groups, key=lambda group: group.arrival))
 
 
-def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+def schedule(state: SchedulerState, *, admit: bool = True) -> tuple[SchedulerState, SchedulerOutput]:
     """Plan one step: decodes of running groups (preempting when blocks run out), prefill
     chunks, then, unless this step preempted, swap-ins and admissions (none while any group is
-    swapped out; with policy "static", only when nothing runs)."""
+    swapped out; with policy "static", only when nothing runs). `admit` False: no swap-ins or
+    admissions this step, whatever fits (the engine's async scheduling defers arrivals by a
+    step so as to take a decode step it already ran)."""
     if state.pending is not None:
         raise SchedulerUsageError(
             "schedule() called twice: record the previous step with update() first"
@@ -315,7 +317,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
     config = state.config
     step = _schedule_running(state)
     swapped, waiting = state.swapped, state.waiting
-    if not step.preempted:
+    if admit and not step.preempted:
         step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not step.running):
             step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)

@@ -104,20 +104,45 @@ def test_greedy_decodes_take_the_decode_programs_arg_max(llms, monkeypatch):
     assert len(sampled_steps) == 2  # the prefill of each engine
 
 
-def _drive(llm, events) -> dict:
+def _drive(llm, events) -> tuple[dict, dict]:
     """Run ``events`` (step numbers → ("add", id, prompt, params) or ("abort", id)) on the
-    engine, stepping until every request ends; every request's last output."""
-    engine, last, step = llm.engine, {}, 0
+    engine, stepping until every request ends: every request's last output, and the step
+    that admitted each request (a request that arrives while a lookahead runs may wait a
+    step more with async scheduling: ``LLMEngine._plan``)."""
+    engine, last, admitted, step = llm.engine, {}, {}, 0
     while step <= max(events) or engine.has_unfinished_requests():
         for event in events.get(step, []):
             if event[0] == "add":
                 engine.add_request(*event[1:])
             else:
                 engine.abort_request(event[1])
+        waiting = {group.request_id for group in engine.state.waiting}
         for output in engine.step():
             last[output.request_id] = output
+        for request_id in waiting - {group.request_id for group in engine.state.waiting}:
+            admitted.setdefault(request_id, step)
         step += 1
-    return {request_id: _seen(output) for request_id, output in last.items()}
+    return {request_id: _seen(output) for request_id, output in last.items()}, admitted
+
+
+def _synchronous(off, events, admitted) -> dict:
+    """The synchronous engine's outputs for ``events`` with each request added at the step
+    that ``admitted`` says the async engine admitted it: the same schedule, step by step."""
+    moved: dict[int, list] = {}
+    for step in sorted(events):  # so that requests moved to one step keep their order of arrival
+        for event in events[step]:
+            moved.setdefault(admitted.get(event[1], step) if event[0] == "add" else step, []).append(event)
+    outputs, admitted_off = _drive(off, moved)
+    assert admitted_off == admitted
+    return outputs
+
+
+def _agree(on, off, events) -> dict:
+    """``events`` on the async engine: its outputs, checked against the synchronous engine's
+    outputs of the same schedule."""
+    ours, admitted = _drive(on, events)
+    assert ours == _synchronous(off, events, admitted)
+    return ours
 
 
 def test_arrivals_and_aborts_while_a_lookahead_runs(llms):
@@ -127,9 +152,34 @@ def test_arrivals_and_aborts_while_a_lookahead_runs(llms):
     sampled = SamplingParams(temperature=0.9, seed=2, max_tokens=30, ignore_eos=True)
     events = {0: [("add", "a", a, long)], 5: [("add", "b", b, sampled)], 11: [("abort", "a")],
               12: [("add", "c", c, long)], 20: [("abort", "c")]}
-    ours = _drive(on, events)
-    assert ours == _drive(off, events)
+    ours = _agree(on, off, events)
     assert ours["b"][0][2] == "length" and len(ours["a"][0][0]) < 40  # a's last output before its abort
+
+
+def test_an_arrival_waits_a_step_for_the_lookahead_in_flight(llms):
+    """A request that arrives while a lookahead runs enters a step later: the running decode
+    takes the lookahead's tokens rather than dropping a step the device is already running.
+    The outputs are the synchronous engine's for that schedule."""
+    on, off, vocab = llms
+    a, b = prompts(2, vocab, seed=30)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = on.engine
+    engine.add_request("a", a, greedy)
+    for _ in range(6):  # the prefill, the first decode, then decodes from lookaheads
+        engine.step()
+    engine.add_request("b", b, greedy)
+    taken = engine.counters.lookahead_steps
+    engine.step()
+    assert engine.counters.lookahead_steps == taken + 1
+    assert [group.request_id for group in engine.state.waiting] == ["b"]
+    engine.step()
+    assert not engine.state.waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = {0: [("add", "a", a, greedy)], 6: [("add", "b", b, greedy)]}
+    ours, admitted = _drive(on, events)
+    assert admitted == {"a": 0, "b": 7}
+    assert ours == _synchronous(off, events, admitted)
 
 
 def test_a_sequence_that_ends_beside_one_that_goes_on(tmp_path):
@@ -141,7 +191,7 @@ def test_a_sequence_that_ends_beside_one_that_goes_on(tmp_path):
     short, long = prompts(2, hf.config.vocab_size, seed=58)  # 1 and 60 tokens: blocks 8 and 0-7, 9, ...
     events = {0: [("add", "long", long, SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True))],
               2: [("add", "short", short, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]}
-    assert _drive(on, events) == _drive(off, events)
+    _agree(on, off, events)
     assert on.engine.counters.lookahead_steps >= 10  # of the long one's 19 decodes
 
 
@@ -171,7 +221,7 @@ def test_any_arrivals_and_aborts_give_the_synchronous_outputs(llms, arrivals, ab
     for index, delay in aborts:
         if index < len(arrivals):
             events.setdefault(arrivals[index][0] + delay, []).append(("abort", f"r{index}"))
-    assert _drive(on, events) == _drive(off, events)
+    _agree(on, off, events)
 
 
 def test_preemption_and_recompute_give_the_same_outputs(tmp_path):

@@ -134,6 +134,22 @@ def test_parallel_samples_reserve_their_next_blocks_and_beams_do_not():
     assert serve(config, pair)[0] == serve(make_config(block_size=4), pair)[0]
 
 
+def test_a_step_without_admissions_leaves_arrivals_waiting():
+    """``admit=False`` (the engine's, while a lookahead runs) plans the running decodes alone,
+    even though the new request fits, and reserves no block ahead while it waits; the next
+    step admits it."""
+    config = make_config(block_size=4, reserve_next_block=True)
+    state, out = sch.schedule(requests_added(sch.initial_state(config), [(0, "a", (1, 2, 3), 1, 9)]))
+    state = requests_added(sch.update(state, append_ones(out)), [(0, "b", (4, 5), 1, 3)])
+    deferred, out = sch.schedule(state, admit=False)  # a's next token opens its second block
+    assert [(work.request_id, work.is_prefill, len(work.block_table)) for work in out.scheduled] == [("a", False, 1)]
+    assert [group.request_id for group in deferred.waiting] == ["b"]
+    deferred = sch.update(deferred, append_ones(out))
+    admitted, out = sch.schedule(deferred)
+    assert [(work.request_id, work.is_prefill) for work in out.scheduled] == [("a", False), ("b", True)]
+    assert not admitted.waiting
+
+
 def test_the_same_calls_give_equal_states():
     config = make_config(num_device_blocks=18, max_num_batched_tokens=12, prefix_caching=True)
     assert serve(config, workload())[1] == serve(config, workload())[1]

@@ -190,8 +190,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step(data)
 
     def _step(self, data):
-        state, out = sch.schedule(self.state)
+        admit = data.draw(st.integers(0, 4)) > 0  # the engine defers admissions behind a lookahead
+        state, out = sch.schedule(self.state, admit=admit)
         check_plan(self.state, state, out)
+        if not admit:
+            assert not out.blocks_to_swap_in and {g.request_id for g in self.state.waiting} <= {
+                g.request_id for g in state.waiting}, "admit=False let a group in"
+            if self.state.waiting:
+                event("admission deferred")
         for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "preempted"):
             if getattr(out, name):
                 event(name)
@@ -212,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             state = sch.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
-        self._record(("step", aborted, tuple(actions)), sch.update(state, actions))
+        self._record(("step", admit, aborted, tuple(actions)), sch.update(state, actions))
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")
 
@@ -236,8 +242,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif call[0] == "abort":
                 state = sch.abort(state, call[1])
             else:
-                state, _ = sch.schedule(state)
-                state = sch.update(sch.abort(state, call[1]) if call[1] else state, call[2])
+                _, admit, aborted, actions = call
+                state, _ = sch.schedule(state, admit=admit)
+                state = sch.update(sch.abort(state, aborted) if aborted else state, actions)
             assert state == expected
 
 
