@@ -313,16 +313,16 @@ class LLMEngine:
         return self._collect(touched)
 
     def _plan(self, ahead: lookahead.Lookahead | None) -> tuple[sch.SchedulerState, sch.SchedulerOutput]:
-        """The scheduler's plan for this step. Requests that arrived while the lookahead
-        ``ahead`` ran wait a step more if the plan without them is the lookahead's work: the
-        device is running that step anyway, and a plan that admitted them would drop it, so
-        its time would be lost to every running request, and the new ones would start no
-        sooner (their step waits for it on the device either way)."""
-        if ahead is not None and self.state.waiting:
-            state, plan = sch.schedule(self.state, admit=False)
-            if lookahead.computed(ahead.works, plan):
-                return state, plan
-        return sch.schedule(self.state)
+        """The scheduler's plan for this step. If it would drop the lookahead ``ahead`` only to
+        admit requests that arrived while it ran, they wait a step more instead: the device is
+        running that step anyway, and dropping it would cost every running request a step, to
+        start the new ones sooner only by the host's turnaround between two steps."""
+        state, plan = sch.schedule(self.state)
+        if ahead is not None and self.state.waiting and not lookahead.computed(ahead.works, plan):
+            deferred, without = sch.schedule(self.state, admit=False)
+            if lookahead.computed(ahead.works, without):
+                return deferred, without
+        return state, plan
 
     def _recover(self, plan: sch.SchedulerOutput, error: BaseException, every_request: bool) -> None:
         """Abort the requests a failed step touched and close the step, so no block stays held.

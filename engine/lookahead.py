@@ -7,8 +7,8 @@ dispatches a *lookahead* step N+1 whose input tokens are N's sampled tokens stil
 device, then records N while N+1 runs. When the scheduler next decides, it normally decides
 exactly the lookahead's work, and the engine takes the lookahead's tokens instead of running
 the step again; otherwise the lookahead is dropped. Requests that arrive meanwhile enter a
-step later (``LLMEngine._plan``), since admitting them at once would drop the lookahead, a
-whole step of device time, without starting them any sooner.
+step later (``LLMEngine._plan``) rather than drop it: a step of device time for every running
+request, against the host's turnaround between two steps for the new ones.
 
 A lookahead is only dispatched when it cannot disagree with the scheduler except by a
 sequence stopping at N (a stop token, EOS, an abort): a decode-only step, nothing waiting or

@@ -106,15 +106,18 @@ def test_greedy_decodes_take_the_decode_programs_arg_max(llms, monkeypatch):
 
 def _drive(llm, events) -> tuple[dict, dict]:
     """Run ``events`` (step numbers → ("add", id, prompt, params) or ("abort", id)) on the
-    engine, stepping until every request ends: every request's last output, and the step
-    that admitted each request (a request that arrives while a lookahead runs may wait a
-    step more with async scheduling: ``LLMEngine._plan``)."""
+    engine, stepping until every request ends: every request's last output, and the step at
+    which each request first left the waiting queue (admitted, ignored, or aborted before its
+    step; a request that arrives while a lookahead runs may wait a step more with async
+    scheduling: ``LLMEngine._plan``)."""
     engine, last, admitted, step = llm.engine, {}, {}, 0
     while step <= max(events) or engine.has_unfinished_requests():
         for event in events.get(step, []):
             if event[0] == "add":
                 engine.add_request(*event[1:])
             else:
+                if event[1] in {group.request_id for group in engine.state.waiting}:
+                    admitted.setdefault(event[1], step)
                 engine.abort_request(event[1])
         waiting = {group.request_id for group in engine.state.waiting}
         for output in engine.step():
@@ -127,7 +130,8 @@ def _drive(llm, events) -> tuple[dict, dict]:
 
 def _synchronous(off, events, admitted) -> dict:
     """The synchronous engine's outputs for ``events`` with each request added at the step
-    that ``admitted`` says the async engine admitted it: the same schedule, step by step."""
+    that ``admitted`` says it left the async engine's waiting queue (so one aborted while
+    waiting never runs in either): the same schedule, step by step."""
     moved: dict[int, list] = {}
     for step in sorted(events):  # so that requests moved to one step keep their order of arrival
         for event in events[step]:
@@ -179,6 +183,10 @@ def test_an_arrival_waits_a_step_for_the_lookahead_in_flight(llms):
     events = {0: [("add", "a", a, greedy)], 6: [("add", "b", b, greedy)]}
     ours, admitted = _drive(on, events)
     assert admitted == {"a": 0, "b": 7}
+    assert ours == _synchronous(off, events, admitted)
+    events[7] = [("abort", "b")]  # before the step that would admit it: it never runs
+    ours, admitted = _drive(on, events)
+    assert admitted == {"a": 0, "b": 7} and all(not seen[0] for seen in ours.get("b", []))
     assert ours == _synchronous(off, events, admitted)
 
 
