@@ -3,10 +3,13 @@ server: weights loaded and every bucket compiled.
 
     python -m benchmarks.startup [--rounds N] [--quick]
 
-Cold: an empty cache directory (``PALLAS_PAGED_CACHE_DIR``), so the GGUF file is converted
-and every program compiled. Warm: the same directory again, as on every start after the
-first. The target is 30 s (vLLM's CPU build takes 45-58 s on this machine). Rounds
-alternate cold and warm; the table has the median and the slowest.
+First start: a cache directory (``PALLAS_PAGED_CACHE_DIR``) holding only the native CPU
+kernels, as ``make install`` leaves it (``make serve``'s first start), so the GGUF file is
+converted and every program compiled. Cold: an empty cache directory, so the kernels are
+built with the C++ compiler too (about 7 s here). Warm: the cold run's directory again, as on
+every start after the first. The target is 30 s (vLLM's CPU build, whose kernels come
+compiled in its wheel, takes 45-58 s on this machine). Rounds run the three in turn; the
+table has the median and the slowest.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pathlib
+import shutil
 import statistics
 import tempfile
 import time
 
 from benchmarks import offline
+from pallas_paged import native
 from benchmarks.timing import print_table, result_name, save_text
 from tests.engine.server import running_server
 
@@ -39,6 +45,13 @@ def cache_directory(path: str):
             os.environ["PALLAS_PAGED_CACHE_DIR"] = previous
 
 
+def installed_kernels() -> pathlib.Path:
+    """The directory of the native kernels that ``make install`` builds (built now if missing)."""
+    native.available()
+    root = os.environ.get("PALLAS_PAGED_CACHE_DIR") or pathlib.Path.home() / ".cache" / "pallas-paged"
+    return pathlib.Path(root) / "native"
+
+
 def seconds_to_healthy() -> float:
     start = time.perf_counter()
     with running_server():
@@ -52,12 +65,20 @@ def main():
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     note = offline.machine_note()
-    times = {"cold": [], "warm": []}
+    kernels = installed_kernels()
+    times = {"first start": [], "cold": [], "warm": []}
+
+    def measure(kind):
+        times[kind].append(seconds_to_healthy())
+        print(f"{kind}: {times[kind][-1]:.1f} s", flush=True)
+
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as root, cache_directory(root):
-            for kind in times:
-                times[kind].append(seconds_to_healthy())
-                print(f"{kind}: {times[kind][-1]:.1f} s", flush=True)
+            shutil.copytree(kernels, pathlib.Path(root) / "native")
+            measure("first start")
+        with tempfile.TemporaryDirectory() as root, cache_directory(root):
+            measure("cold")
+            measure("warm")
     rows = [[kind, len(values), statistics.median(values), max(values), TARGET_SECONDS,
              "met" if max(values) <= TARGET_SECONDS else "missed"] for kind, values in times.items()]
     table = print_table(["start", "runs", "median s", "slowest s", "target s", "target"], rows)
