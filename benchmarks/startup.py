@@ -47,9 +47,12 @@ def cache_directory(path: str):
 
 def installed_kernels() -> pathlib.Path:
     """The directory of the native kernels that ``make install`` builds (built now if missing)."""
+    root = os.environ.get("PALLAS_PAGED_CACHE_DIR")
+    if root == "":
+        raise SystemExit("the start-up benchmark copies the cached native kernels: unset PALLAS_PAGED_CACHE_DIR "
+                         "or point it at a directory, rather than turning caching off")
     native.available()
-    root = os.environ.get("PALLAS_PAGED_CACHE_DIR") or pathlib.Path.home() / ".cache" / "pallas-paged"
-    return pathlib.Path(root) / "native"
+    return pathlib.Path(root or pathlib.Path.home() / ".cache" / "pallas-paged") / "native"
 
 
 def seconds_to_healthy() -> float:
