@@ -24,8 +24,8 @@ import tempfile
 import time
 
 from benchmarks import offline
-from pallas_paged import native
 from benchmarks.timing import print_table, result_name, save_text
+from pallas_paged import native
 from tests.engine.server import running_server
 
 TARGET_SECONDS = 30.0
