@@ -466,10 +466,10 @@ void attend(const Problem& p, const Item& item, std::vector<float>& scratch, flo
   const int64_t num_keys = item.key_end;
 #ifdef PALLAS_PAGED_BF16_DOT
   constexpr bool kBf16Dot = std::is_same_v<KVT, uint16_t> && kD > 0;
-  constexpr bool kSplit = std::is_same_v<QT, float>;  // see scores_bf16
 #else
   constexpr bool kBf16Dot = false;
 #endif
+  constexpr bool kSplit = std::is_same_v<QT, float>;  // see scores_bf16
   // Few bfloat16 rows (decode) read the cache as it is: see scores_bf16.
   const bool direct = kBf16Dot && !in_lanes;
 
