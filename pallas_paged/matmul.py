@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_paged import native
+from pallas_paged.precision import for_operands
 
 PANEL = 64  # output columns per panel of a packed weight
 
@@ -81,7 +82,8 @@ def matmul(x, w, *, transposed: bool = False):
         return matmuls(x, [w])[0]
     rows = x.astype(w.dtype).reshape(-1, x.shape[-1])
     contract = 1 if transposed else 0
-    out = jax.lax.dot_general(rows, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(rows, w, (((1,), (contract,)), ((), ())), precision=for_operands(w.dtype),
+                              preferred_element_type=jnp.float32)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

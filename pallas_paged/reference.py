@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+_EXACT = jax.lax.Precision.HIGHEST  # float32 products, not TF32, on GPUs too (see pallas_paged.precision)
+
 
 @jax.jit
 def _attend(q, k, v, mask, scale):
@@ -24,11 +26,11 @@ def _attend(q, k, v, mask, scale):
     qf = q.astype(jnp.float32).reshape(seqs, q_len, kv_heads, q_heads // kv_heads, head_dim)
     seen = mask.any(1)[:, None, :, None]
     vf = jnp.where(seen, v.astype(jnp.float32), 0.0)
-    scores = jnp.einsum("sqhgd,shkd->shgqk", qf, k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qf, k.astype(jnp.float32), precision=_EXACT) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
     weights = jnp.where(mask[:, None, None], weights, 0.0)
-    out = jnp.einsum("shgqk,shkd->sqhgd", weights, vf)
+    out = jnp.einsum("shgqk,shkd->sqhgd", weights, vf, precision=_EXACT)
     return out.reshape(seqs, q_len, q_heads, head_dim)
 
 

@@ -12,24 +12,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_paged.precision import for_operands
+
 # Finite, so a row that sees only masked keys yields zeros instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _scores(q, k):
     """q: [..., rows, d], k: [..., keys, d] → float32 [..., rows, keys], in k's dtype."""
-    q = q.astype(k.dtype)
+    q, precision = q.astype(k.dtype), for_operands(k.dtype)
     if q.ndim == 2:
-        return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return jnp.einsum("hrd,hkd->hrk", q, k, preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+    return jnp.einsum("hrd,hkd->hrk", q, k, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _weighted_sum(p, v):
     """p: [..., rows, keys], v: [..., keys, d] → float32 [..., rows, d], in v's dtype."""
-    p = p.astype(v.dtype)
+    p, precision = p.astype(v.dtype), for_operands(v.dtype)
     if p.ndim == 2:
-        return jnp.dot(p, v, preferred_element_type=jnp.float32)
-    return jnp.einsum("hrk,hkd->hrd", p, v, preferred_element_type=jnp.float32)
+        return jnp.dot(p, v, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.einsum("hrk,hkd->hrd", p, v, precision=precision, preferred_element_type=jnp.float32)
 
 
 def initial_state(q):
