@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_paged
-from benchmarks import hf_baseline, offline, workloads
+from benchmarks import offline, workloads
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 from engine import LLM, SamplingParams, huge_pages
 
@@ -146,6 +146,8 @@ def single_sequence(llm: LLM, synchronous: LLM, prompt, max_tokens: int, rounds:
 def chat(args) -> None:
     """The targets' setting: both dtypes, this engine vs HF, plus single-sequence decode
     against the memory-bandwidth bound (weights bytes per token / measured bandwidth)."""
+    from benchmarks import hf_baseline  # torch: only where Hugging Face is the baseline
+
     rows, bound_rows, baseline = [], [], {}
     for dtype in ("float32", "bfloat16"):
         hf = hf_baseline.HFModel(dtype)
@@ -194,6 +196,8 @@ def traces(args) -> None:
     """Offline throughput on the ShareGPT-like and Alpaca-like traces: this engine (paged) vs
     the paper's baselines in the same engine, at the same KV memory, vs HF ``generate`` in
     static batches of what that memory holds at ``max_model_len``."""
+    from benchmarks import hf_baseline  # torch: only where Hugging Face is the baseline
+
     scale, load = offline.scale(args.quick), offline.machine_note()
     workload, results = offline.run_policies(scale, dtype=args.dtype)
     hf = hf_baseline.HFModel(args.dtype)

@@ -16,7 +16,7 @@ from tests.engine.tiny import prompts, tiny_llm
 
 
 @pytest.fixture(scope="module")
-def llm_and_hf(tmp_path_factory):
+def llm_and_config(tmp_path_factory):
     return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"))
 
 
@@ -27,9 +27,9 @@ async def _tokens(engine: AsyncLLMEngine, prompt, params, request_id: str):
     return last.outputs[0].token_ids
 
 
-def test_a_failed_step_fails_its_request_and_the_loop_keeps_serving(llm_and_hf, monkeypatch):
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=40)[0]
+def test_a_failed_step_fails_its_request_and_the_loop_keeps_serving(llm_and_config, monkeypatch):
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=40)[0]
     greedy = SamplingParams(temperature=0, max_tokens=6)
     expected = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.engine.runner
@@ -46,8 +46,8 @@ def test_a_failed_step_fails_its_request_and_the_loop_keeps_serving(llm_and_hf, 
     assert stats.device_blocks_free == stats.device_blocks_total
 
 
-def test_a_stopped_engine_refuses_new_requests_at_once(llm_and_hf):
-    llm, _ = llm_and_hf
+def test_a_stopped_engine_refuses_new_requests_at_once(llm_and_config):
+    llm, _ = llm_and_config
     engine = AsyncLLMEngine(llm.engine)
     engine.shutdown()
     with pytest.raises(RuntimeError, match="the engine has stopped"):

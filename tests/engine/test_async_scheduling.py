@@ -19,9 +19,9 @@ from tests.engine.tiny import ENGINE, prompts, tiny_llm
 def llms(tmp_path_factory):
     """(async LLM, sync LLM, vocabulary size) of one tiny checkpoint."""
     directory = tmp_path_factory.mktemp("tiny")
-    on, hf = tiny_llm("llama_gqa_tied", directory)
+    on, config = tiny_llm("llama_gqa_tied", directory)
     off = LLM(str(directory), **{**ENGINE, "async_scheduling": False})
-    return on, off, hf.config.vocab_size
+    return on, off, config.vocab_size
 
 
 @pytest.fixture(autouse=True)
@@ -194,9 +194,9 @@ def test_a_sequence_that_ends_beside_one_that_goes_on(tmp_path):
     """A short request ends while a long one decodes from lookaheads: no lookahead may keep
     the short one's row going, since (in a fresh engine) its next slots are in the block the
     long one takes next."""
-    on, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    on, config = tiny_llm("llama_gqa_tied", tmp_path)
     off = LLM(str(tmp_path), **{**ENGINE, "async_scheduling": False})
-    short, long = prompts(2, hf.config.vocab_size, seed=58)  # 1 and 60 tokens: blocks 8 and 0-7, 9, ...
+    short, long = prompts(2, config.vocab_size, seed=58)  # 1 and 60 tokens: blocks 8 and 0-7, 9, ...
     events = {0: [("add", "long", long, SamplingParams(temperature=0, max_tokens=20, logprobs=1, ignore_eos=True))],
               2: [("add", "short", short, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]}
     _agree(on, off, events)
@@ -234,9 +234,9 @@ def test_any_arrivals_and_aborts_give_the_synchronous_outputs(llms, arrivals, ab
 
 def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
     small = dict(num_blocks=24, max_num_seqs=8)  # 192 slots for 6 sequences of up to 90 tokens
-    on, hf = tiny_llm("llama_gqa_tied", tmp_path, **small)
+    on, config = tiny_llm("llama_gqa_tied", tmp_path, **small)
     off = LLM(str(tmp_path), **{**ENGINE, **small, "async_scheduling": False})
-    batch = prompts(6, hf.config.vocab_size, seed=21)
+    batch = prompts(6, config.vocab_size, seed=21)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
     ours = on.generate(batch, params, use_tqdm=False)
     assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, params, use_tqdm=False)]
@@ -269,9 +269,9 @@ def test_no_lookahead_where_its_inputs_would_depend_on_the_token(llms):
 def test_an_orca_reservation_gives_the_same_outputs(tmp_path):
     """Blocks reserved ahead (the paper's Orca baselines) join a table when a token needs them:
     the lookahead leaves those steps to the scheduler."""
-    on, hf = tiny_llm("llama_gqa_tied", tmp_path, reservation="orca-max")
+    on, config = tiny_llm("llama_gqa_tied", tmp_path, reservation="orca-max")
     off = LLM(str(tmp_path), **{**ENGINE, "reservation": "orca-max", "async_scheduling": False})
-    batch = prompts(2, hf.config.vocab_size, seed=5)
+    batch = prompts(2, config.vocab_size, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     ours = on.generate(batch, greedy, use_tqdm=False)
     assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, greedy, use_tqdm=False)]

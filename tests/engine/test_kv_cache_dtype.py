@@ -17,8 +17,8 @@ def test_auto_kv_cache_dtype_is_the_weights_dtype(tmp_path, dtype):
 
 
 def test_bfloat16_cache_programs_need_no_cache_sized_scratch(tmp_path):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, dtype="bfloat16", num_blocks=4096)
-    llm.generate(prompts(4, hf.config.vocab_size), SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0),
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path, dtype="bfloat16", num_blocks=4096)
+    llm.generate(prompts(4, config.vocab_size), SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0),
                  use_tqdm=False)
     cache = llm.engine.cache
     cache_bytes = cache.kv_caches[0][0].nbytes

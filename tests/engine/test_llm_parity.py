@@ -8,7 +8,7 @@ import pytest
 
 import pallas_paged
 from engine import LLM, SamplingParams
-from tests.conftest import NEW_TOKENS
+from tests.hf_references import NEW_TOKENS
 
 pytestmark = pytest.mark.slow
 

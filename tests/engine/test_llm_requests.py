@@ -7,23 +7,29 @@ import pytest
 from engine import SamplingParams
 from engine.scheduler import InvalidRequestError
 from tests.engine.tiny import prompts, tiny_llm
+from tests.hf_torch import load_hf_model, next_token_logprobs
 
 
 @pytest.fixture(scope="module")
-def llm_and_hf(tmp_path_factory):
-    return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"))
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="module")
+def llm_and_config(checkpoint):
+    """(our LLM, HF's config) of a tiny checkpoint."""
+    return tiny_llm("llama_gqa_tied", checkpoint)
 
 
 @pytest.fixture(autouse=True)
-def no_block_leaks(llm_and_hf):
+def no_block_leaks(llm_and_config):
     yield
-    stats = llm_and_hf[0].cache_stats()
+    stats = llm_and_config[0].cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
     assert stats.host_blocks_free == stats.host_blocks_total
 
 
-def test_prefix_caching_prefills_only_the_suffix(llm_and_hf, tmp_path):
-    _, hf = llm_and_hf
+def test_prefix_caching_prefills_only_the_suffix(llm_and_config, tmp_path):
     cached, _ = tiny_llm("llama_gqa_tied", tmp_path, enable_prefix_caching=True)
     prefix = list(range(3, 99))  # 96 tokens: 12 full blocks of 8
     first, second = prefix + [60, 61, 62], prefix + [70, 71]
@@ -33,7 +39,7 @@ def test_prefix_caching_prefills_only_the_suffix(llm_and_hf, tmp_path):
     with_cache = cached.generate([second], greedy, use_tqdm=False)[0]
     assert cached.engine.counters.prompt_tokens - before == len(second) - len(prefix)
     assert cached.cache_stats().prefix_cache_hits >= len(prefix) // 8
-    without_cache = llm_and_hf[0].generate([second], greedy, use_tqdm=False)[0]
+    without_cache = llm_and_config[0].generate([second], greedy, use_tqdm=False)[0]
     assert with_cache.outputs[0].token_ids == without_cache.outputs[0].token_ids
     assert cached.reset_prefix_cache()
     before = cached.engine.counters.prompt_tokens
@@ -41,24 +47,24 @@ def test_prefix_caching_prefills_only_the_suffix(llm_and_hf, tmp_path):
     assert cached.engine.counters.prompt_tokens - before == len(second)
 
 
-def test_too_long_prompt_fails_alone_with_the_limit_in_the_message(llm_and_hf):
-    llm, hf = llm_and_hf
-    ok = prompts(2, hf.config.vocab_size, seed=9)
+def test_too_long_prompt_fails_alone_with_the_limit_in_the_message(llm_and_config):
+    llm, config = llm_and_config
+    ok = prompts(2, config.vocab_size, seed=9)
     outputs = llm.generate([ok[0], list(range(3, 3 + 200)), ok[1]], SamplingParams(max_tokens=5), use_tqdm=False)
     assert outputs[1].error is not None and "200 tokens" in outputs[1].error and "max_model_len is 128" in outputs[1].error
     assert outputs[1].finished and not outputs[1].outputs
     assert all(len(o.outputs[0].token_ids) == 5 for o in (outputs[0], outputs[2]))
 
 
-def test_bad_token_ids_are_refused(llm_and_hf):
+def test_bad_token_ids_are_refused(llm_and_config):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        llm_and_hf[0].engine.add_request("bad", [5, 10**6], SamplingParams())
+        llm_and_config[0].engine.add_request("bad", [5, 10**6], SamplingParams())
 
 
-def test_abort_frees_every_block_and_others_finish(llm_and_hf):
-    llm, hf = llm_and_hf
+def test_abort_frees_every_block_and_others_finish(llm_and_config):
+    llm, config = llm_and_config
     engine = llm.engine
-    a, b = prompts(2, hf.config.vocab_size, seed=10)
+    a, b = prompts(2, config.vocab_size, seed=10)
     engine.add_request("keep", a, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.add_request("drop", b, SamplingParams(n=3, max_tokens=20, ignore_eos=True))
     for _ in range(4):
@@ -72,9 +78,9 @@ def test_abort_frees_every_block_and_others_finish(llm_and_hf):
     assert len(finished[0].outputs[0].token_ids) == 20
 
 
-def test_stop_token_ids_min_tokens_and_logprobs(llm_and_hf):
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=11)[0]
+def test_stop_token_ids_min_tokens_and_logprobs(llm_and_config):
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=11)[0]
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     tokens = list(free[0].outputs[0].token_ids)
     stop_at = tokens[4]
@@ -90,11 +96,10 @@ def test_stop_token_ids_min_tokens_and_logprobs(llm_and_hf):
 
 
 @pytest.mark.parametrize("how", ["one_step", "chunked_prefill", "prefix_cached"])
-def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, how):
-    import torch
-
-    llm, hf = llm_and_hf
-    prompt = prompts(4, hf.config.vocab_size, seed=12)[-1][:20]
+def test_prompt_logprobs_match_a_full_forward(llm_and_config, checkpoint, tmp_path, how):
+    llm, config = llm_and_config
+    hf = load_hf_model(checkpoint)
+    prompt = prompts(4, config.vocab_size, seed=12)[-1][:20]
     assert len(prompt) == 20
     if how == "chunked_prefill":  # the 20-token prompt is prefilled 6 tokens at a time
         llm, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=4, max_num_batched_tokens=6)
@@ -103,11 +108,10 @@ def test_prompt_logprobs_match_a_full_forward(llm_and_hf, tmp_path, how):
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-    with torch.no_grad():
-        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    logprobs = next_token_logprobs(hf, prompt)
     for position in range(1, len(prompt)):
         got = out.prompt_logprobs[position][prompt[position]]
-        assert abs(got - logprobs[position - 1, prompt[position]].item()) < 1e-4
+        assert abs(got - logprobs[position - 1, prompt[position]]) < 1e-4
 
 
 def _fail_on_call(target, name: str, call: int, *, after: bool = False):
@@ -128,9 +132,9 @@ def _fail_on_call(target, name: str, call: int, *, after: bool = False):
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before the model", "caches consumed"])
-def test_a_failed_step_frees_its_requests_and_the_engine_keeps_serving(llm_and_hf, monkeypatch, after):
-    llm, hf = llm_and_hf
-    batch = prompts(3, hf.config.vocab_size, seed=30)
+def test_a_failed_step_frees_its_requests_and_the_engine_keeps_serving(llm_and_config, monkeypatch, after):
+    llm, config = llm_and_config
+    batch = prompts(3, config.vocab_size, seed=30)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     expected = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
     runner = llm.engine.runner
@@ -142,9 +146,9 @@ def test_a_failed_step_frees_its_requests_and_the_engine_keeps_serving(llm_and_h
     assert [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)] == expected
 
 
-def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=31)[0]
+def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_config):
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=31)[0]
     with pytest.raises(TypeError):
         llm.generate([prompt, None], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -152,9 +156,9 @@ def test_a_bad_prompt_in_a_list_leaves_nothing_queued(llm_and_hf):
 
 
 def test_the_context_is_what_the_cache_holds_and_a_group_that_outgrows_it_says_so(tmp_path, caplog):
-    small, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots; max_model_len 128 asked
+    small, config = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=4)  # 32 KV slots; max_model_len 128 asked
     assert small.engine.max_model_len == 32 and "max_model_len is lowered to that" in caplog.text
-    prompt = prompts(2, hf.config.vocab_size, seed=32)[1][:10]
+    prompt = prompts(2, config.vocab_size, seed=32)[1][:10]
     alone = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     assert alone[0].error is None and alone[0].outputs[0].finish_reason == "length"
     assert len(alone[0].outputs[0].token_ids) == 32 - len(prompt)  # to the context, as at any max_model_len
@@ -167,11 +171,11 @@ def test_the_context_is_what_the_cache_holds_and_a_group_that_outgrows_it_says_s
     assert stats.device_blocks_free == stats.device_blocks_total
 
 
-def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_hf):
+def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_config):
     import numpy as np
 
-    llm, hf = llm_and_hf
-    ids = prompts(1, hf.config.vocab_size, seed=33)[0]
+    llm, config = llm_and_config
+    ids = prompts(1, config.vocab_size, seed=33)[0]
     greedy = SamplingParams(temperature=0, max_tokens=4)
     expected = llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
     for form in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], np.array(ids), [np.array(ids)],
@@ -182,11 +186,11 @@ def test_prompts_as_vllm_dicts_or_numpy_token_ids(llm_and_hf):
         llm.generate({"tokens": ids}, greedy, use_tqdm=False)
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm_and_hf):
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm_and_config):
     """vLLM's left truncation: a prompt longer than max_model_len (128 here) runs on its last
     k tokens, exactly as if only those had been sent."""
-    llm, hf = llm_and_hf
-    long_prompt = prompts(2, hf.config.vocab_size, seed=15)[1] * 4  # 240 tokens
+    llm, config = llm_and_config
+    long_prompt = prompts(2, config.vocab_size, seed=15)[1] * 4  # 240 tokens
     kept = long_prompt[-50:]
     greedy = SamplingParams(temperature=0, max_tokens=6)
     truncated = llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=50),
@@ -200,7 +204,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm_and_hf):
 
 @pytest.mark.parametrize("reservation", ["orca-oracle", "orca-pow2"])
 def test_oracle_reservations_need_the_engine_api(reservation, tmp_path):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, reservation=reservation)
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path, reservation=reservation)
     with pytest.raises(ValueError, match="expected_output_len=n"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -211,7 +215,7 @@ def test_oracle_reservations_need_the_engine_api(reservation, tmp_path):
 
 
 def test_more_samples_than_max_num_seqs_name_the_field(tmp_path):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=2)
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=2)
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=4), use_tqdm=False)
     assert "best_of=3 needs 3 sequences at once, more than max_num_seqs=2" in out.error
     assert not llm.engine.has_unfinished_requests()

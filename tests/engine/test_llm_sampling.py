@@ -8,9 +8,8 @@ import pickle
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+import scipy.special
 import scipy.stats
-import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import jax.numpy as jnp
 from engine import BeamSearchParams, Logprob, SamplingParams
@@ -19,19 +18,31 @@ from engine.config import EngineConfig
 from engine.requests import RequestState, SeqProgress
 from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
 from tests.engine.tiny import prompts, tiny_llm
+from tests.hf_torch import load_hf_model, next_token_logprobs, require_torch
 
 
 @pytest.fixture(scope="module")
-def llm_and_hf(tmp_path_factory):
-    return tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"), max_num_seqs=64,
-                    max_num_batched_tokens=256)
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
 
 
-def test_parallel_samples_differ_share_blocks_and_reproduce(llm_and_hf):
-    llm, hf = llm_and_hf
+@pytest.fixture(scope="module")
+def llm_and_config(checkpoint):
+    """(our LLM, HF's config) of a tiny checkpoint."""
+    return tiny_llm("llama_gqa_tied", checkpoint, max_num_seqs=64, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def hf(llm_and_config, checkpoint):
+    """HF's torch model of the checkpoint ``llm_and_config`` wrote (needs torch)."""
+    return load_hf_model(checkpoint)
+
+
+def test_parallel_samples_differ_share_blocks_and_reproduce(llm_and_config):
+    llm, config = llm_and_config
     # Many full blocks: each sample also holds its last block and, with async scheduling, at
     # times one reserved a step early (``SchedulerConfig.reserve_next_block``).
-    prompt = prompts(1, hf.config.vocab_size, seed=3)[0] + list(range(3, 80))
+    prompt = prompts(1, config.vocab_size, seed=3)[0] + list(range(3, 80))
     params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1234)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     again = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -52,9 +63,9 @@ def test_parallel_samples_differ_share_blocks_and_reproduce(llm_and_hf):
     assert used[4] < 2 * used[1], f"4 samples used {used[4]} blocks, one used {used[1]}: the prompt is not shared"
 
 
-def test_seeded_request_is_independent_of_its_batch(llm_and_hf):
-    llm, hf = llm_and_hf
-    batch = prompts(6, hf.config.vocab_size, seed=4)
+def test_seeded_request_is_independent_of_its_batch(llm_and_config):
+    llm, config = llm_and_config
+    batch = prompts(6, config.vocab_size, seed=4)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=7)
     alone = llm.generate([batch[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=8)] * 5
@@ -62,11 +73,11 @@ def test_seeded_request_is_independent_of_its_batch(llm_and_hf):
     assert alone == together
 
 
-def test_any_seed_top_k_or_stop_token_id_is_served(llm_and_hf):
+def test_any_seed_top_k_or_stop_token_id_is_served(llm_and_config):
     """Values vLLM accepts that do not fit the sampler's arrays: 64-bit and negative seeds, a
     top_k above the vocabulary (keeps everything), stop token ids past it (never sampled)."""
-    llm, hf = llm_and_hf
-    vocab = hf.config.vocab_size
+    llm, config = llm_and_config
+    vocab = config.vocab_size
     prompt = prompts(1, vocab, seed=8)[0]
     for seed in (-1, 2**40 + 3):
         params = SamplingParams(temperature=1.0, max_tokens=6, seed=seed)
@@ -84,20 +95,19 @@ def test_any_seed_top_k_or_stop_token_id_is_served(llm_and_hf):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1, max_tokens=12),
                                     SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12)],
                          ids=["top_k=1", "tiny top_p"])
-def test_truncation_to_one_token_is_greedy(llm_and_hf, params):
-    llm, hf = llm_and_hf
-    batch = prompts(4, hf.config.vocab_size, seed=5)
+def test_truncation_to_one_token_is_greedy(llm_and_config, params):
+    llm, config = llm_and_config
+    batch = prompts(4, config.vocab_size, seed=5)
     greedy = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     truncated = llm.generate(batch, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in truncated] == [o.outputs[0].token_ids for o in greedy]
 
 
-def test_sample_frequencies_follow_the_softmax(llm_and_hf):
+def test_sample_frequencies_follow_the_softmax(llm_and_config, hf):
     """2048 one-token samples at temperature 0.7 against the model's own distribution (chi-square)."""
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=6)[0]
-    with torch.no_grad():
-        probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / 0.7, -1).numpy()
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=6)[0]
+    probs = scipy.special.softmax(next_token_logprobs(hf, prompt)[-1] / 0.7)
     params = [SamplingParams(n=64, temperature=0.7, max_tokens=1, seed=s) for s in range(32)]
     outputs = llm.generate([prompt] * 32, params, use_tqdm=False)
     tokens = [c.token_ids[0] for o in outputs for c in o.outputs]
@@ -170,6 +180,9 @@ def test_the_draw_never_picks_a_zero_weight_token(vocab, seed, zeros, spread):
 
 
 def test_penalties_change_logits_as_hugging_face_and_openai_do():
+    torch = require_torch("Hugging Face's repetition penalty")
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((2, 32)).astype(np.float32) * 3
     prompt = np.array([[3, 4, 5, -1], [7, 7, 8, 9]], np.int32)
@@ -259,9 +272,9 @@ def test_beam_search_params_name_a_bad_field():
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty="x")
 
 
-def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=13)[0]
+def test_best_of_returns_the_n_most_likely_candidates(llm_and_config):
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=13)[0]
     candidates = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, max_tokens=6, seed=21, logprobs=0),
                               use_tqdm=False)[0].outputs
     best = llm.generate([prompt], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6, seed=21),
@@ -271,10 +284,11 @@ def test_best_of_returns_the_n_most_likely_candidates(llm_and_hf):
     assert [c.index for c in best] == [0, 1]
 
 
-def test_logit_bias_matches_hugging_face_sequence_bias(llm_and_hf):
+def test_logit_bias_matches_hugging_face_sequence_bias(llm_and_config, hf):
     """Greedy with biases that change the output (each prompt's own first token banned, two
     tokens pushed up) gives HF ``generate``'s tokens under the same ``sequence_bias``."""
-    llm, hf = llm_and_hf
+    torch = require_torch()
+    llm, _ = llm_and_config
     batch = prompts(6, hf.config.vocab_size, seed=11)
     plain = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for prompt, output in zip(batch, plain):
@@ -289,11 +303,11 @@ def test_logit_bias_matches_hugging_face_sequence_bias(llm_and_hf):
         assert list(ours) == theirs[: len(ours)] and ours[0] != first
 
 
-def test_logit_bias_bans_and_forces_tokens_only_in_its_own_request(llm_and_hf):
+def test_logit_bias_bans_and_forces_tokens_only_in_its_own_request(llm_and_config):
     """At temperature 1: tokens biased by -100 never come up, a token biased by +100 always
     does, and a seeded request batched with biased ones samples what it samples alone."""
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=12)[0]
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=12)[0]
     unbiased = SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=4)
     alone = llm.generate([prompt], unbiased, use_tqdm=False)[0]
     common = sorted({t for c in alone.outputs for t in c.token_ids})
@@ -308,9 +322,9 @@ def test_logit_bias_bans_and_forces_tokens_only_in_its_own_request(llm_and_hf):
     assert all(step[99] < -1.0 for step in forced_output.logprobs)
 
 
-def test_logit_bias_on_an_unknown_token_is_refused_and_holds_nothing(llm_and_hf):
-    llm, hf = llm_and_hf
-    vocab = hf.config.vocab_size
+def test_logit_bias_on_an_unknown_token_is_refused_and_holds_nothing(llm_and_config):
+    llm, config = llm_and_config
+    vocab = config.vocab_size
     (output,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, logit_bias={vocab: 5.0}), use_tqdm=False)
     assert "logit_bias token ids" in output.error and f"[0, {vocab})" in output.error
     stats = llm.cache_stats()
@@ -328,41 +342,53 @@ def test_numpy_integers_are_integers_and_clone_copies():
     assert dataclasses.replace(SamplingParams(n=4, temperature=0.8), n=1).num_candidates == 1
 
 
-def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_hf):
-    """Each reported log-probability is a float that also answers vLLM's ``Logprob`` fields:
-    the top alternatives rank 1, 2, 3 in order, and a sampled token's rank is its place in
-    HF's distribution for the same prompt. They survive pickling (multiprocessing, caches)."""
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=13)[0]
+def _sampled_with_logprobs(llm, vocab_size: int):
+    """(prompt, output) of 4 seeded samples reporting 3 log-probabilities a token, 2 a prompt token."""
+    prompt = prompts(1, vocab_size, seed=13)[0]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=3, seed=2, logprobs=3, prompt_logprobs=2)
-    output = llm.generate([prompt], params, use_tqdm=False)[0]
-    with torch.no_grad():
-        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
-    def place(scores, token):  # 1 + how many tokens HF ranks above it (our float32 may differ by one)
-        return 1 + int((scores > scores[token]).sum())
+    return prompt, llm.generate([prompt], params, use_tqdm=False)[0]
 
+
+def test_logprobs_carry_vllm_rank_and_logprob_fields(llm_and_config):
+    """Each reported log-probability is a float that also answers vLLM's ``Logprob`` fields:
+    the top alternatives rank 1, 2, 3 in order. They survive pickling (multiprocessing, caches)."""
+    llm, config = llm_and_config
+    _, output = _sampled_with_logprobs(llm, config.vocab_size)
     for completion in output.outputs:
         for token, step in zip(completion.token_ids, completion.logprobs):
             assert all(isinstance(v, Logprob) and v.logprob == float(v) for v in step.values())
             alternatives = sorted((v for t, v in step.items() if t != token or v.rank <= 3), key=lambda v: v.rank)
             assert [v.rank for v in alternatives] == [1, 2, 3] and alternatives == sorted(alternatives, reverse=True)
-        first = completion.token_ids[0]
-        assert abs(completion.logprobs[0][first].rank - place(reference[-1], first)) <= 1
-    for position, step in enumerate(output.prompt_logprobs[1:], start=1):
-        actual = prompt[position]
-        assert abs(step[actual].rank - place(reference[position - 1], actual)) <= 1
     assert pickle.loads(pickle.dumps(output)).outputs[0].logprobs == output.outputs[0].logprobs
     again = pickle.loads(pickle.dumps(output.outputs[0].logprobs[0]))
     assert [v.rank for v in again.values()] == [v.rank for v in output.outputs[0].logprobs[0].values()]
 
 
-def test_cumulative_logprob_is_reported_when_logprobs_are_tracked(llm_and_hf):
+def test_a_tokens_rank_is_its_place_in_hugging_faces_distribution(llm_and_config, hf):
+    """The rank reported for a sampled token, or a prompt token, is its place in HF's
+    distribution for the same prompt."""
+    llm, config = llm_and_config
+    prompt, output = _sampled_with_logprobs(llm, config.vocab_size)
+    reference = next_token_logprobs(hf, prompt)
+
+    def place(scores, token):  # 1 + how many tokens HF ranks above it (our float32 may differ by one)
+        return 1 + int((scores > scores[token]).sum())
+
+    for completion in output.outputs:
+        first = completion.token_ids[0]
+        assert abs(completion.logprobs[0][first].rank - place(reference[-1], first)) <= 1
+    for position, step in enumerate(output.prompt_logprobs[1:], start=1):
+        actual = prompt[position]
+        assert abs(step[actual].rank - place(reference[position - 1], actual)) <= 1
+
+
+def test_cumulative_logprob_is_reported_when_logprobs_are_tracked(llm_and_config):
     """Samples without logprobs report no cumulative log-probability (as vLLM's V1 engine),
     and their batches skip the normaliser; asking for logprobs, or for the best of several
     samples, reports the sum of the chosen tokens' log-probabilities. Mixing them in one batch
     changes no token."""
-    llm, hf = llm_and_hf
-    batch = prompts(3, hf.config.vocab_size, seed=15)
+    llm, config = llm_and_config
+    batch = prompts(3, config.vocab_size, seed=15)
     plain = SamplingParams(temperature=0, max_tokens=6)
     logged = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
     sampled = SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=6, seed=5)
@@ -377,23 +403,35 @@ def test_cumulative_logprob_is_reported_when_logprobs_are_tracked(llm_and_hf):
     assert all(c.cumulative_logprob is not None and c.cumulative_logprob < 0 for c in mixed[2].outputs)
 
 
-def test_allowed_token_ids_are_the_only_tokens_generated(llm_and_hf):
-    """vLLM's allowed_token_ids: sampled tokens stay in the list, greedy picks the list's most
-    likely token (HF's logits over just those), and other requests in the batch are free."""
-    llm, hf = llm_and_hf
-    prompt = prompts(1, hf.config.vocab_size, seed=14)[0]
-    allowed = [11, 23, 57, 201]
-    sampled = SamplingParams(n=8, temperature=1.0, max_tokens=5, seed=3, allowed_token_ids=allowed)
-    greedy = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed)
+ALLOWED = [11, 23, 57, 201]
+
+
+def _allowed_batch(llm, vocab_size: int):
+    """(prompt, outputs) of one batch: 8 samples and a greedy token within ``ALLOWED``, 8 free samples."""
+    prompt = prompts(1, vocab_size, seed=14)[0]
+    sampled = SamplingParams(n=8, temperature=1.0, max_tokens=5, seed=3, allowed_token_ids=ALLOWED)
+    greedy = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=ALLOWED)
     free = SamplingParams(n=8, temperature=1.0, max_tokens=5, seed=3)
-    outputs = llm.generate([prompt] * 3, [sampled, greedy, free], use_tqdm=False)
-    assert {t for c in outputs[0].outputs for t in c.token_ids} <= set(allowed)
-    with torch.no_grad():
-        last = hf(torch.tensor([prompt])).logits[0, -1]
-    assert outputs[1].outputs[0].token_ids[0] == allowed[int(last[allowed].argmax())]
-    assert {t for c in outputs[2].outputs for t in c.token_ids} - set(allowed)
-    (refused,) = llm.generate([prompt], SamplingParams(allowed_token_ids=[hf.config.vocab_size]), use_tqdm=False)
+    return prompt, llm.generate([prompt] * 3, [sampled, greedy, free], use_tqdm=False)
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(llm_and_config):
+    """vLLM's allowed_token_ids: sampled and greedy tokens stay in the list, other requests in
+    the batch are free, and ids outside the vocabulary are refused."""
+    llm, config = llm_and_config
+    prompt, outputs = _allowed_batch(llm, config.vocab_size)
+    assert {t for c in outputs[0].outputs for t in c.token_ids} <= set(ALLOWED)
+    assert outputs[1].outputs[0].token_ids[0] in ALLOWED
+    assert {t for c in outputs[2].outputs for t in c.token_ids} - set(ALLOWED)
+    (refused,) = llm.generate([prompt], SamplingParams(allowed_token_ids=[config.vocab_size]), use_tqdm=False)
     assert "allowed_token_ids token ids" in refused.error
+
+
+def test_greedy_with_allowed_token_ids_picks_hugging_faces_most_likely_of_them(llm_and_config, hf):
+    llm, config = llm_and_config
+    prompt, outputs = _allowed_batch(llm, config.vocab_size)
+    last = next_token_logprobs(hf, prompt)[-1]
+    assert outputs[1].outputs[0].token_ids[0] == ALLOWED[int(last[ALLOWED].argmax())]
 
 
 def _request(params, generated=(), bad_word_ids=()) -> RequestState:

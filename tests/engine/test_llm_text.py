@@ -7,6 +7,7 @@ import pytest
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.requests import RequestState, SeqProgress
 from tests.engine.test_llm_parity import COMMON, CONFIGS
+from tests.hf_torch import require_torch
 
 pytestmark = pytest.mark.slow
 
@@ -142,30 +143,35 @@ def test_beam_search_returns_vllm_beam_search_outputs(llm):
     assert " Paris" in out.sequences[0].text
 
 
-def test_bad_words_match_hugging_face_bad_words_ids(llm, hf_smollm2_torch):
-    """vLLM's ``bad_words``: greedy output with "Paris" banned (alone and mid-text) equals HF
-    ``generate`` under the same ``bad_words_ids``, token for token. (Each is one token here:
-    for longer words HF matches the prefix in the prompt too, vLLM in the output only; the
-    next test covers those.)"""
-    import torch
+FRANCE = "The capital of France is"
+NO_PARIS = SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"])
 
+
+def test_bad_words_are_never_generated(llm):
+    """vLLM's ``bad_words``: "Paris" is banned alone and mid-text (one token each here), so the
+    greedy answer that names it without the ban leaves it out."""
     tokenizer = llm.get_tokenizer()
-    prompt = "The capital of France is"
-    ids = tokenizer(prompt)["input_ids"]
-    params = SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"])
-    words = params.bad_word_ids(tokenizer)
-    assert words == (tuple(tokenizer.encode("Paris")), tuple(tokenizer.encode(" Paris")))
-    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        want = hf_smollm2_torch.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                         bad_words_ids=[list(w) for w in words],
-                                         pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
-    assert list(out.token_ids) == want[: len(out.token_ids)]
-    assert "Paris" not in out.text
-    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert NO_PARIS.bad_word_ids(tokenizer) == (tuple(tokenizer.encode("Paris")), tuple(tokenizer.encode(" Paris")))
+    assert "Paris" not in llm.generate([FRANCE], NO_PARIS, use_tqdm=False)[0].outputs[0].text
+    plain = llm.generate([FRANCE], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert " Paris" in plain.outputs[0].text
     with pytest.raises(ValueError, match="bad_words must be a list of words"):
         SamplingParams(bad_words=["ok", " "])
+
+
+def test_bad_words_match_hugging_face_bad_words_ids(llm, hf_smollm2_torch):
+    """Greedy output with "Paris" banned equals HF ``generate`` under the same ``bad_words_ids``,
+    token for token. (Each word is one token here: for longer words HF matches the prefix in
+    the prompt too, vLLM in the output only; the next test covers those.)"""
+    torch = require_torch()
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(FRANCE)["input_ids"]
+    out = llm.generate([FRANCE], NO_PARIS, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        want = hf_smollm2_torch.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                         bad_words_ids=[list(w) for w in NO_PARIS.bad_word_ids(tokenizer)],
+                                         pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+    assert list(out.token_ids) == want[: len(out.token_ids)]
 
 
 def test_a_bad_word_of_several_tokens_bans_its_last_only_after_the_others():

@@ -14,7 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.engine.server import free_port
 from tests.engine.tiny import ENGINE, prompts
-from tests.models.tiny_models import build_hf_model
+from tests.models.tiny_models import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_split_model_reproduces_the_single_device_engine(devices):
 def test_two_processes_split_the_model_like_two_hosts(tmp_path):
     """Multi-host as the README describes it: every host runs the same script after
     ``jax.distributed.initialize``; here two processes on one machine stand in for two hosts."""
-    build_hf_model("llama_gqa_tied", tmp_path)
+    write_checkpoint("llama_gqa_tied", tmp_path)
     port = str(free_port())
     hosts = [subprocess.Popen([sys.executable, "-m", "tests.engine.tp_multihost", str(rank), port, str(tmp_path)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -45,12 +45,12 @@ def test_two_processes_split_the_model_like_two_hosts(tmp_path):
 
 
 def test_a_split_that_cuts_heads_is_refused(tmp_path):
-    build_hf_model("llama_gqa_tied", tmp_path)  # 4 heads, 2 KV heads
+    write_checkpoint("llama_gqa_tied", tmp_path)  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's attention heads \(4\)"):
         LLM(str(tmp_path), **ENGINE, tensor_parallel_size=3)
 
 
 def test_more_devices_than_visible_is_refused(tmp_path):
-    build_hf_model("llama_mha_bias", tmp_path)  # 4 heads, 4 KV heads
+    write_checkpoint("llama_mha_bias", tmp_path)  # 4 heads, 4 KV heads
     with pytest.raises(ValueError, match="needs 4 devices but 1 are visible"):
         LLM(str(tmp_path), **ENGINE, tensor_parallel_size=4)

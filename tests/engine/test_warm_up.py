@@ -12,11 +12,11 @@ from tests.engine.tiny import prompts, tiny_llm
 
 
 def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
     compiled = []
     original = programs._compile
     monkeypatch.setattr(programs, "_compile", lambda key, lowered: compiled.append(key[0]) or original(key, lowered))
-    vocab = hf.config.vocab_size
+    vocab = config.vocab_size
     samplers = sampler.sample._cache_size()
     # Prompts of 1-60 tokens, several per step and chunked (64 tokens a step): every mix of
     # prefill tokens and logits rows; then decodes of 1-16 sequences, greedy, which the
@@ -33,8 +33,8 @@ def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
 def test_one_sequence_at_a_time_warms_up_and_matches_a_batch(tmp_path):
     # max_num_seqs 1 with a context (128) shorter than the token budget (256): the warm-up
     # used to build a 256-token prefill of two sequences, which one row cannot hold.
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_seqs=1)
-    batch = prompts(3, hf.config.vocab_size)
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_seqs=1)
+    batch = prompts(3, config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=5)
     alone = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     together, _ = tiny_llm("llama_gqa_tied", tmp_path)
@@ -44,7 +44,7 @@ def test_one_sequence_at_a_time_warms_up_and_matches_a_batch(tmp_path):
 
 
 def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
     assert llm.engine.warm_ups_left > 0
     server_loop = AsyncLLMEngine(llm.engine)
     try:
@@ -57,7 +57,7 @@ def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
     samplers = sampler.sample._cache_size()
     # Batches of 1-16 rows, seeded or not, at vLLM's and OpenAI's default temperature of 1;
     # then requests with n > 1 (whose rows share a logits row at first), greedy or not.
-    vocab = hf.config.vocab_size
+    vocab = config.vocab_size
     llm.generate(prompts(16, vocab, seed=4), [SamplingParams(max_tokens=6, seed=i % 2 or None) for i in range(16)],
                  use_tqdm=False)
     for temperature in (1.0, 0.0):
@@ -80,7 +80,7 @@ def test_prompt_logprobs_compile_no_sampler_program_with_bfloat16_weights(tmp_pa
 def test_a_long_prefill_runs_three_quarters_of_a_power_of_two(tmp_path, monkeypatch):
     """1100 prompt tokens in one step run as 1536 rows, not 2048, and give the tokens the
     same prompts give one at a time."""
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=512, max_num_batched_tokens=2048)
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=512, max_num_batched_tokens=2048)
     batch = [list(range(3 + i, 113 + i)) for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=3)
     rows = []
@@ -94,13 +94,13 @@ def test_a_long_prefill_runs_three_quarters_of_a_power_of_two(tmp_path, monkeypa
 
 
 def test_small_decode_steps_run_as_one_program_with_the_same_tokens(tmp_path, monkeypatch):
-    llm, hf = tiny_llm("llama_gqa_tied", tmp_path)
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path)
     runner = llm.engine.runner
     assert runner.one_program_buckets == (1, 2, 4, 8, 16)  # every decode bucket up to 32 rows
     stages = []
     call = programs.call
     monkeypatch.setattr(programs, "call", lambda stage, *args, **kwargs: stages.append(stage) or call(stage, *args, **kwargs))
-    batch, params = prompts(3, hf.config.vocab_size), SamplingParams(temperature=0, max_tokens=6)
+    batch, params = prompts(3, config.vocab_size), SamplingParams(temperature=0, max_tokens=6)
     whole = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert stages.count("embed") == 1  # the prefill by stages; the 5 decode steps as one program
     assert list(runner._whole_model) == [4]  # of 4 rows, for 3 sequences

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
+import transformers
 
 from engine import LLM, SamplingParams
-from tests.models.tiny_models import build_hf_model
+from tests.hf_torch import require_torch
+from tests.models.tiny_models import write_checkpoint
 
 ENGINE = dict(max_model_len=128, block_size=8, num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256,
               swap_space=0.01, warmup=False)
 
 
-def tiny_llm(name: str, directory, **overrides):
-    """(our LLM, HF torch model) for ``tests.models.tiny_models.TINY_CONFIGS[name]``."""
-    hf = build_hf_model(name, directory)
-    return LLM(str(directory), **{**ENGINE, **overrides}), hf
+def tiny_llm(name: str, directory, **overrides) -> tuple[LLM, transformers.PretrainedConfig]:
+    """(our LLM, HF's config) for ``tests.models.tiny_models.TINY_CONFIGS[name]``, whose random
+    checkpoint is written to ``directory`` (HF's torch model of it: ``tests.hf_torch.load_hf_model``)."""
+    config = write_checkpoint(name, directory)
+    return LLM(str(directory), **{**ENGINE, **overrides}), config
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -27,6 +29,7 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(hf, prompt, max_tokens, top=5):
     """HF ``generate`` greedy: (tokens, per-step top-``top`` {token: logprob})."""
+    torch = require_torch()
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_scores=True,
                           return_dict_in_generate=True, pad_token_id=hf.config.eos_token_id)

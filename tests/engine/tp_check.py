@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from engine import LLM, SamplingParams, programs  # noqa: E402
 from engine.scheduler import ScheduledGroupWork  # noqa: E402
 from tests.engine.tiny import ENGINE, prompts  # noqa: E402
-from tests.models.tiny_models import build_hf_model  # noqa: E402
+from tests.models.tiny_models import write_checkpoint  # noqa: E402
 
 MODEL = {2: "llama_gqa_tied", 4: "llama_mha_bias"}[DEVICES]  # KV heads divisible by the device count
 
@@ -32,7 +32,7 @@ def logits(llm, prompt):
 
 def main():
     directory = tempfile.mkdtemp()
-    build_hf_model(MODEL, directory)
+    write_checkpoint(MODEL, directory)
     batch = prompts(8, 256, seed=1)
     greedy = SamplingParams(temperature=0, max_tokens=10)
     single = LLM(directory, **ENGINE)

@@ -8,12 +8,14 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+import transformers
+from safetensors.numpy import load_file
 
 import models
 from engine import LLM
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches
-from tiny_models import build_hf_model
+from tests.hf_torch import load_hf_model, require_torch
+from tiny_models import write_checkpoint
 
 QUANT_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F16", "Q8_0", "Q4_0", "Q4_1", "F32")]
 
@@ -24,10 +26,10 @@ def _llama_cpp_permute(weights, num_heads):
     return weights.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _write_gguf(hf, path, quant_types=QUANT_TYPES):
-    """Write ``hf`` as llama.cpp would (a llama or qwen2 GGUF), cycling the 2-D tensors through
-    ``quant_types``."""
-    config = hf.config
+def _write_gguf(checkpoint, path, quant_types=QUANT_TYPES):
+    """Write the HF checkpoint in directory ``checkpoint`` as llama.cpp would (a llama or qwen2
+    GGUF), cycling the 2-D tensors through ``quant_types``."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
     arch = config.model_type
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -41,10 +43,7 @@ def _write_gguf(hf, path, quant_types=QUANT_TYPES):
     writer.add_vocab_size(config.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     quant_types = itertools.cycle(quant_types)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.numpy()
+    for name, data in load_file(checkpoint / "model.safetensors").items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             data = _llama_cpp_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         qtype = next(quant_types) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
@@ -64,28 +63,31 @@ def converted_copies_in(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "llama_mqa_untied"])
 def test_gguf_params_match_transformers_conversion(name, tmp_path):
-    hf = build_hf_model(name, tmp_path / "hf")
+    require_torch("transformers' GGUF conversion")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf_config = write_checkpoint(name, tmp_path / "hf")
     path = tmp_path / "tiny.gguf"
-    _write_gguf(hf, path)
+    _write_gguf(tmp_path / "hf", path)
 
     config, params, tokenizer = models.load_model(path)
 
-    assert tokenizer is None and config.tie_word_embeddings == hf.config.tie_word_embeddings
-    want = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
+    assert tokenizer is None and config.tie_word_embeddings == hf_config.tie_word_embeddings
+    want = load_gguf_checkpoint(path, return_tensors=True, model_to_load=load_hf_model(tmp_path / "hf"))["tensors"]
     layer = params["layers"][1]
     for key, hf_name in [("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("gate", "mlp.gate_proj")]:
         np.testing.assert_array_equal(layer[key]["w"], want[f"model.layers.1.{hf_name}.weight"].numpy().T)
     np.testing.assert_array_equal(params["embed"], want["model.embed_tokens.weight"].numpy())
     if not config.tie_word_embeddings:
         np.testing.assert_array_equal(params["lm_head"]["w"], want["lm_head.weight"].numpy().T)
-    q = hf.model.layers[1].self_attn.q_proj.weight.detach().numpy().T
+    q = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.1.self_attn.q_proj.weight"].T
     assert np.abs(np.asarray(layer["q"]["w"]) - q).max() < 0.1 * np.abs(q).max()
 
 
 def test_second_load_reads_the_converted_copy(tmp_path, converted_copies_in, monkeypatch):
-    hf = build_hf_model("llama_gqa_tied", tmp_path / "hf")
+    write_checkpoint("llama_gqa_tied", tmp_path / "hf")
     path = tmp_path / "tiny.gguf"
-    _write_gguf(hf, path)
+    _write_gguf(tmp_path / "hf", path)
     first = models.load_model(path)
     assert len(list((converted_copies_in / "models").iterdir())) == 1
 
@@ -99,11 +101,10 @@ def test_second_load_reads_the_converted_copy(tmp_path, converted_copies_in, mon
 
 
 def test_default_gguf_tokenizer_is_the_one_transformers_builds():
-    from transformers import AutoTokenizer
-
+    require_torch("transformers' GGUF tokenizer (its GGUF reader imports torch)")
     path = models.loader.default_gguf()
     ours = models.gguf_file.tokenizer(models.gguf_file.read(path)[1])
-    want = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    want = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     texts = ["Hello, world!", "  leading spaces and\ttabs\nnew lines", "naïve café – 東京 🙂", "x" * 300,
              "<|im_start|>user\nWhat is 2+2?<|im_end|>", "def f(a):\n    return a ** 2  # comment", ""]
     for text in texts:
@@ -137,9 +138,9 @@ def test_default_gguf_loads_without_torch(tmp_path):
 
 
 def test_gguf_projection_biases_are_loaded(tmp_path):
-    hf = build_hf_model("llama_mha_bias", tmp_path / "hf")
+    write_checkpoint("llama_mha_bias", tmp_path / "hf")
     path = tmp_path / "bias.gguf"
-    _write_gguf(hf, path)
+    _write_gguf(tmp_path / "hf", path)
     config, params, _ = models.load_model(path)
     _, want, _ = models.load_model(tmp_path / "hf")
     assert config.attention_bias and config.mlp_bias
@@ -149,9 +150,10 @@ def test_gguf_projection_biases_are_loaded(tmp_path):
 
 def test_a_qwen2_gguf_generates_what_hugging_face_does(tmp_path):
     """llama.cpp's qwen2 files: Q, K and V biases, and Q/K rows in HF's order (not permuted)."""
-    hf = build_hf_model("qwen2", tmp_path / "hf")
+    write_checkpoint("qwen2", tmp_path / "hf")
+    hf = load_hf_model(tmp_path / "hf")
     path = tmp_path / "qwen2.gguf"
-    _write_gguf(hf, path, quant_types=[gguf.GGMLQuantizationType.F32])
+    _write_gguf(tmp_path / "hf", path, quant_types=[gguf.GGMLQuantizationType.F32])
     llm = LLM(str(path), **ENGINE)
     config = llm.engine.model_config
     assert config.attention_bias and not config.attention_out_bias

@@ -11,12 +11,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import models
-from tiny_models import build_hf_model
+from tiny_models import write_checkpoint
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "opt_project_in_out"])
 def test_one_spec_per_array_with_matching_rank(name, tmp_path):
-    build_hf_model(name, tmp_path)
+    write_checkpoint(name, tmp_path)
     config, params, _ = models.load_model(tmp_path)
     specs = models.param_specs(params)
     assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(params)
@@ -37,9 +37,9 @@ import tempfile
 import jax, numpy as np
 import models
 from paged_batch import PagedModel
-from tiny_models import build_hf_model
+from tiny_models import write_checkpoint
 with tempfile.TemporaryDirectory() as directory:
-    build_hf_model("llama_gqa_tied", directory)
+    write_checkpoint("llama_gqa_tied", directory)
     config, params, _ = models.load_model(directory)
 prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
 want = PagedModel(config, params).prefill(prompts, all_logits=True)

@@ -28,10 +28,10 @@ def test_greedy_matches_hf_generate(smollm2, hf_smollm2):
     assert "Paris" in tokenizer.decode(ours[0])
 
 
-def test_gguf_and_safetensors_routes_agree(smollm2, hf_smollm2):
+def test_gguf_and_safetensors_routes_agree(smollm2, hf_smollm2, hf_smollm2_safetensors):
     """The GGUF and the safetensors saved from HF's load of it give the same parameters and logits."""
     config, params, tokenizer = smollm2
-    st_config, st_params, st_tokenizer = models.load_model(hf_smollm2.safetensors_dir)
+    st_config, st_params, st_tokenizer = models.load_model(hf_smollm2_safetensors)
     assert st_config == config
     jax.tree.map(np.testing.assert_array_equal, st_params, params)
     got = _paged(st_config, st_params).prefill(hf_smollm2.prompts)
