@@ -1,10 +1,17 @@
 """The device KV caches and the host swap space, and the block operations of each step.
 
 The scheduler decides which blocks move; this module only carries it out, one jitted call
-per kind of operation covering every layer, with the destination donated so the caches are
+per kind of operation covering every layer, with the device caches donated so they are
 updated in place. Block-id lists are padded to powers of two with an id past the end of
 the pool, which gathers clamp and scatters skip, so a handful of compiled shapes serve
 every step.
+
+The swap space is one NumPy array in host memory. A swap-out gathers the blocks of every
+layer on the device in one program and copies them to the host in one transfer; a swap-in
+sends the blocks back in one transfer and scatters them in one program. Only ``jit``,
+``device_put`` and ``np.asarray`` take part, so the path is the same on every JAX version
+and platform (the experimental ``compute_on("device_host")`` it replaced changed its
+signature in JAX 0.11, and swapping failed there).
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 
 import pallas_paged
 from engine import huge_pages
@@ -36,69 +42,60 @@ def _copy(kv_caches, src, dst):
     return [pallas_paged.copy_blocks(k, v, src, dst) for k, v in kv_caches]
 
 
-def _swap_out(host_caches, kv_caches, device_ids, host_ids):
-    """Blocks ``device_ids`` of every layer → host blocks ``host_ids``: gather on the device,
-    move only those blocks, scatter in host memory."""
-    host_ids = jax.device_put(host_ids, jax.memory.Space.Host)
-    out = []
-    for host_layer, device_layer in zip(host_caches, kv_caches):
-        moved = [jax.device_put(gather_blocks(cache, device_ids), jax.memory.Space.Host) for cache in device_layer]
-        with compute_on("device_host"):
-            out.append(tuple(scatter_blocks(h, m, host_ids) for h, m in zip(host_layer, moved)))
-    return out
+def _gather(kv_caches, ids):
+    """Blocks ``ids`` (int32[n]) of every layer's (k, v) → [layers, 2, kv_heads, n, block_size, d]."""
+    return jnp.stack([jnp.stack([gather_blocks(k, ids), gather_blocks(v, ids)]) for k, v in kv_caches])
 
 
-def _swap_in(kv_caches, host_caches, host_ids, device_ids):
-    """Host blocks ``host_ids`` of every layer → device blocks ``device_ids`` (the inverse of ``_swap_out``)."""
-    host_ids = jax.device_put(host_ids, jax.memory.Space.Host)
-    out = []
-    for device_layer, host_layer in zip(kv_caches, host_caches):
-        with compute_on("device_host"):
-            picked = [gather_blocks(h, host_ids) for h in host_layer]
-        moved = [jax.device_put(p, jax.memory.Space.Device) for p in picked]
-        out.append(tuple(scatter_blocks(d, m, device_ids) for d, m in zip(device_layer, moved)))
-    return out
+def _scatter(kv_caches, blocks, ids):
+    """Write ``blocks`` ([layers, 2, kv_heads, n, block_size, d], as :func:`_gather` gives) into
+    blocks ``ids`` (int32[n]; ids past the pool write nothing) of every layer. Returns the caches."""
+    return [(scatter_blocks(k, blocks[i, 0], ids), scatter_blocks(v, blocks[i, 1], ids))
+            for i, (k, v) in enumerate(kv_caches)]
+
+
+def _blocks_sharding(cache_sharding):
+    """Where swapped-in blocks go: split over KV heads as the caches are (None: the default device)."""
+    if isinstance(cache_sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec(None, None,
+                                                                                           *cache_sharding.spec))
+    return cache_sharding
 
 
 class CacheEngine:
-    """Owns ``kv_caches`` (per layer ``(k, v)``, each ``[kv_heads, blocks, block_size, d]``)
-    and ``host_caches`` (the same with ``num_host_blocks``, in pinned host memory), placed
-    with ``sharding`` / ``host_sharding`` (for tensor parallelism). On a Linux CPU the device
-    caches get huge pages (:mod:`engine.huge_pages`; ``_huge_pages`` is the thread asking),
-    which the programs that update them in place keep."""
+    """Owns ``kv_caches`` (per layer ``(k, v)``, each ``[kv_heads, blocks, block_size, d]``,
+    placed with ``sharding`` for tensor parallelism) and the swap space ``host_blocks``
+    (``[layers, 2, kv_heads, num_host_blocks, block_size, d]`` in host memory). On a Linux CPU
+    the device caches get huge pages (:mod:`engine.huge_pages`; ``_huge_pages`` is the thread
+    asking), which the programs that update them in place keep."""
 
-    def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None, host_sharding=None):
+    def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None):
         self.spec = spec
         self._sharding = sharding
+        self._blocks_sharding = _blocks_sharding(sharding)
         self.kv_caches = spec.allocate(sharding)
         self._huge_pages = huge_pages.start(self.kv_caches, "KV cache")
-        self._host_sharding = host_sharding
-        host_spec = pallas_paged.KVCacheSpec(max(num_host_blocks, 1), spec.block_size, spec.num_kv_heads,
-                                             spec.head_dim, spec.num_layers, spec.dtype)
         self.num_host_blocks = num_host_blocks
-        self._host_spec = host_spec
-        self._host_caches = None
+        self._host_blocks = None
         # Compiled with the kernels' options, under which 16-bit caches are updated in place.
-        jit = functools.partial(jax.jit, donate_argnums=(0,),
-                                compiler_options=pallas_paged.compiler_options(jax.default_backend()))
-        self._swap_out, self._swap_in, self._copy = jit(_swap_out), jit(_swap_in), jit(_copy)
+        jit = functools.partial(jax.jit, compiler_options=pallas_paged.compiler_options(jax.default_backend()))
+        self._gather = jit(_gather)
+        self._scatter, self._copy = jit(_scatter, donate_argnums=(0,)), jit(_copy, donate_argnums=(0,))
         log.info("KV cache: %d device blocks (%.1f MiB), %d host blocks (%.1f MiB)", spec.num_blocks,
                  spec.num_blocks * spec.bytes_per_block / 2**20, num_host_blocks,
                  num_host_blocks * spec.bytes_per_block / 2**20)
 
     @property
-    def host_caches(self):
-        """Per layer ``(k, v)`` of the swap space, in pinned host memory. Allocated at the first
-        swap: gigabytes take seconds to allocate, and many runs never swap."""
-        if self._host_caches is None:
+    def host_blocks(self) -> np.ndarray:
+        """The swap space, ``[layers, 2, kv_heads, num_host_blocks, block_size, d]``. Allocated
+        at the first swap, and its pages only when written: many runs never swap."""
+        if self._host_blocks is None:
             start = time.monotonic()
-            self._host_caches = self._host_spec.allocate_on_host(self._host_sharding)
+            spec = self.spec
+            self._host_blocks = np.zeros((spec.num_layers, 2, spec.num_kv_heads, max(self.num_host_blocks, 1),
+                                          spec.block_size, spec.head_dim), spec.dtype)
             log.info("allocated the swap space in %.1f s", time.monotonic() - start)
-        return self._host_caches
-
-    @host_caches.setter
-    def host_caches(self, caches):
-        self._host_caches = caches
+        return self._host_blocks
 
     def apply(self, swap_out=(), swap_in=(), copy=()) -> None:
         """Carry out one step's block operations, in the order the scheduler requires.
@@ -108,12 +105,14 @@ class CacheEngine:
         """
         if swap_out:
             device_ids, host_ids = zip(*swap_out)
-            self.host_caches = self._swap_out(self.host_caches, self.kv_caches, self._device_ids(device_ids),
-                                              self._host_ids(host_ids))
+            moved = np.asarray(self._gather(self.kv_caches, self._device_ids(device_ids)))
+            self.host_blocks[:, :, :, list(host_ids)] = moved[:, :, :, : len(host_ids)]
         if swap_in:
             host_ids, device_ids = zip(*swap_in)
-            self.kv_caches = self._swap_in(self.kv_caches, self.host_caches, self._host_ids(host_ids),
-                                           self._device_ids(device_ids))
+            padded = self._device_ids(device_ids)
+            picked = np.pad(list(host_ids), (0, len(padded) - len(host_ids)))  # the padding's blocks are dropped
+            blocks = jax.device_put(self.host_blocks[:, :, :, picked], self._blocks_sharding)
+            self.kv_caches = self._scatter(self.kv_caches, blocks, padded)
         if copy:
             src, dst = zip(*copy)
             self.kv_caches = self._copy(self.kv_caches, self._device_ids(src), self._device_ids(dst))
@@ -128,10 +127,7 @@ class CacheEngine:
         """Fresh zeroed device caches and an empty swap space, after their contents were lost."""
         self.kv_caches = self.spec.allocate(self._sharding)
         self._huge_pages = huge_pages.start(self.kv_caches, "KV cache")
-        self._host_caches = None
+        self._host_blocks = None
 
     def _device_ids(self, ids):
         return _padded(ids, self.spec.num_blocks)
-
-    def _host_ids(self, ids):
-        return _padded(ids, self.num_host_blocks)

@@ -121,7 +121,7 @@ class LLMEngine:
                         "is lowered to that (give the cache more blocks to keep it)", self.max_model_len,
                         config.model_len(self.model_config))
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
-                                 parallel.cache_sharding(mesh), parallel.cache_sharding(mesh, on_host=True))
+                                 parallel.cache_sharding(mesh))
         self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)

@@ -45,12 +45,9 @@ def place_params(params, mesh):
     return jax.device_put(params, models.named_shardings(mesh, models.param_specs(params)))
 
 
-def cache_sharding(mesh, *, on_host: bool = False):
+def cache_sharding(mesh):
     """KV caches split over their KV-head axis (None: the default device)."""
-    if mesh is None:
-        return None if not on_host else jax.sharding.SingleDeviceSharding(jax.devices()[0],
-                                                                             memory_kind="pinned_host")
-    return NamedSharding(mesh, P(AXIS, None, None, None), memory_kind="pinned_host" if on_host else None)
+    return None if mesh is None else NamedSharding(mesh, P(AXIS, None, None, None))
 
 
 def replicated(mesh):

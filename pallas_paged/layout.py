@@ -8,11 +8,9 @@ physical block ``block`` lives in slot ``block * block_size + offset``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 
@@ -52,17 +50,6 @@ class KVCacheSpec:
         """Zeroed ``(k_cache, v_cache)`` per layer, each ``[kv_heads, blocks, block_size, head_dim]``."""
         make = jax.jit(lambda: jnp.zeros(self.layer_shape, self.dtype), out_shardings=sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
-
-    def allocate_on_host(self, sharding: jax.sharding.Sharding | None = None) -> list[tuple[jax.Array, jax.Array]]:
-        """Like :meth:`allocate`, in pinned host memory (the swap space); ``sharding`` must have
-        memory kind ``pinned_host`` (default: the first device's).
-
-        Placed with ``device_put`` so the arrays carry the host memory space that jitted
-        swaps check (a jit's ``out_shardings`` sets the memory kind but not the space).
-        """
-        host = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-        make = functools.partial(np.zeros, self.layer_shape, self.dtype)  # untouched pages until written
-        return [(jax.device_put(make(), host), jax.device_put(make(), host)) for _ in range(self.num_layers)]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -26,7 +26,8 @@ def test_bfloat16_cache_programs_need_no_cache_sized_scratch(tmp_path):
               if key[0] == "layer" and key[1] == llm.engine.model_config]
     assert layers, "the generate call compiled layer programs"
     ids = cache._device_ids([1, 2])
+    swapped_in = cache.host_blocks[:, :, :, [0, 1]]
     block_programs = [cache._copy.lower(cache.kv_caches, ids, ids).compile(),
-                      cache._swap_in.lower(cache.kv_caches, cache.host_caches, cache._host_ids([0, 1]), ids).compile()]
+                      cache._scatter.lower(cache.kv_caches, swapped_in, ids).compile()]
     for program in layers + block_programs:
         assert program.memory_analysis().temp_size_in_bytes < cache_bytes
