@@ -96,8 +96,9 @@ def _key(stage: str, config, mesh, args) -> tuple:
 
 
 def _lower(stage: str, config, mesh, args):
-    """Trace and lower; under a mesh, so the kernels run per device (see ``Metadata.write_and_attend``)."""
-    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    """Trace and lower; under a mesh, so the kernels run per device (see ``Metadata.write_and_attend``).
+    Without JAX's deprecation warning for the Pallas Triton backend (:mod:`pallas_paged.lowering`)."""
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh), pallas_paged.lowering.quietly():
         return STAGES[stage].lower(config, *args)
 
 

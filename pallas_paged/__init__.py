@@ -18,7 +18,7 @@ import os
 
 import jax
 
-from pallas_paged import decode, decode_tpu, native, ragged, tiling
+from pallas_paged import decode, decode_tpu, lowering, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (argmax_head, argmax_screen, gated_matmul, is_packed, matmul, matmuls, pack, packable,
@@ -34,6 +34,7 @@ __all__ = [
     "copy_blocks",
     "is_packed",
     "gated_matmul",
+    "lowering",
     "matmul",
     "matmuls",
     "pack",

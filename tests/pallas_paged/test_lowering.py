@@ -7,6 +7,8 @@ device; a broken kernel fails here, not on someone's GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -31,7 +33,7 @@ def export(fn, args, platform):
     kind, abstract_platform, cores, _ = TARGETS[platform]
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
                         abstract_device=AbstractDevice(device_kind=kind, num_cores=cores, platform=abstract_platform))
-    with use_abstract_mesh(mesh):
+    with use_abstract_mesh(mesh), pallas_paged.lowering.quietly():
         exported = jax.export.export(
             jax.jit(fn), platforms=(platform,),
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)],
@@ -74,3 +76,15 @@ def test_cpu_runs_the_native_kernel_not_the_accelerator_ones():
     module = jax.jit(pallas_paged.paged_attention).lower(*args).as_text()
     assert TRITON not in module and "tpu_custom_call" not in module
     assert native.TARGET in module
+
+
+def test_only_the_triton_deprecation_is_silenced():
+    """JAX 0.11+ warns at every Triton lowering; :func:`pallas_paged.lowering.quietly` drops that
+    warning (the engine lowers dozens of programs at start-up) and lets every other one through."""
+    args = attention_args(9, 3, 64, 16, jnp.float32, tokens=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export(pallas_paged.paged_attention, args, "cuda")
+        with pallas_paged.lowering.quietly():
+            warnings.warn("something else", DeprecationWarning)
+    assert [str(w.message) for w in caught] == ["something else"]
