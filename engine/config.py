@@ -35,7 +35,9 @@ class EngineConfig:
 
     ``model`` None is SmolLM2-135M-Instruct. ``dtype`` is the weights' (activations are
     float32); ``kv_cache_dtype`` the cache's. ``num_blocks`` fixes the device pool exactly;
-    otherwise ``kv_cache_memory`` bytes (default 1 GiB) decide it. ``swap_space`` is GiB
+    otherwise ``kv_cache_memory`` bytes decide it, or on a GPU or TPU
+    ``gpu_memory_utilization`` of the device's memory less the weights and peak activations,
+    and on a CPU 1 GiB (see :mod:`engine.kv_cache_size`). ``swap_space`` is GiB
     of host blocks. ``max_num_batched_tokens`` (tokens per step; longer prompts are prefilled
     in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
     start; without it each shape compiles the first time a step needs it.
@@ -50,6 +52,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     swap_space: float = 4
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -77,6 +80,8 @@ class EngineConfig:
             (_at_least(self.num_blocks, 1, optional=True), "num_blocks", "None or an integer >= 1", self.num_blocks),
             (self.kv_cache_memory is None or (_number(self.kv_cache_memory) and self.kv_cache_memory >= 1),
              "kv_cache_memory", "None or a number of bytes >= 1", self.kv_cache_memory),
+            (_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization", "a fraction of the device's memory in (0, 1]", self.gpu_memory_utilization),
             (_number(self.swap_space) and self.swap_space >= 0, "swap_space", "a number of GiB >= 0",
              self.swap_space),
             (_at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1", self.max_num_seqs),
@@ -117,12 +122,15 @@ class EngineConfig:
         """"auto" is the weights' dtype."""
         return self.param_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    def kv_cache_spec(self, model: ModelConfig) -> pallas_paged.KVCacheSpec:
-        """The device KV cache for ``model``: ``num_blocks`` or as many as ``kv_cache_memory`` holds."""
-        spec = pallas_paged.KVCacheSpec(1, self.block_size, model.num_kv_heads, model.head_dim, model.num_layers,
-                                        jnp.dtype(self.cache_dtype))
-        num_blocks = self.num_blocks or max(1, int(self.kv_cache_memory or _GIB) // spec.bytes_per_block)
-        return dataclasses.replace(spec, num_blocks=num_blocks)
+    def kv_cache_spec(self, model: ModelConfig, num_blocks: int = 1) -> pallas_paged.KVCacheSpec:
+        """The device KV cache of ``num_blocks`` blocks for ``model`` (how many: :mod:`engine.kv_cache_size`)."""
+        return pallas_paged.KVCacheSpec(num_blocks, self.block_size, model.num_kv_heads, model.head_dim,
+                                        model.num_layers, jnp.dtype(self.cache_dtype))
+
+    @property
+    def batched_tokens(self) -> int:
+        """``max_num_batched_tokens``, where None is max(2048, max_num_seqs)."""
+        return max(2048, self.max_num_seqs) if self.max_num_batched_tokens is None else self.max_num_batched_tokens
 
     def model_len(self, model: ModelConfig) -> int:
         """Longest prompt plus output: the user's limit, or the model's (its positions, and its
@@ -150,8 +158,7 @@ class EngineConfig:
         )
         blocks = dataclasses.replace(blocks, max_model_len=min(blocks.max_model_len, blocks.longest_sequence))
         return SchedulerConfig(
-            max_num_batched_tokens=max(2048, self.max_num_seqs) if self.max_num_batched_tokens is None
-            else self.max_num_batched_tokens,
+            max_num_batched_tokens=self.batched_tokens,
             max_model_len=blocks.max_model_len,
             max_num_seqs=self.max_num_seqs,
             preemption_mode=self.preemption_mode,

@@ -44,8 +44,10 @@ class LLM:
     model: a Hugging Face directory, a ``.gguf`` file, or None for SmolLM2-135M-Instruct.
     dtype: the weights', "auto" (float32), "float32" or "bfloat16"; activations are float32.
     kv_cache_dtype: "auto" (the weights'), "float32" or "bfloat16". block_size: tokens per KV block.
-    num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes, 1 GiB by
-    default). swap_space: GiB of host memory for swapped-out blocks. max_num_seqs /
+    num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes; else on a GPU
+    or TPU gpu_memory_utilization of the device's memory less the weights and the peak
+    activations, and on a CPU 1 GiB; see ``engine.kv_cache_size``). swap_space: GiB of host
+    memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
     max_model_len: prompt plus output limit (default: the model's; lowered, with a warning, to
     what the KV cache holds). enable_prefix_caching: reuse the KV blocks of identical prompt
@@ -62,7 +64,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int | None = None, swap_space: float = 4,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, swap_space: float = 4,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
@@ -70,7 +73,8 @@ class LLM:
                  async_scheduling: bool = True):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, swap_space=swap_space, max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,

@@ -21,7 +21,7 @@ import numpy as np
 import models
 import pallas_paged
 from models import gguf_cache
-from engine import beam_search, huge_pages, lookahead, parallel, step_sampling
+from engine import beam_search, huge_pages, kv_cache_size, lookahead, parallel, step_sampling
 from engine import scheduler as sch
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
@@ -113,7 +113,9 @@ class LLMEngine:
         self.model_config, params, self.tokenizer = self._model.loaded
         parallel.check_divisible(self.model_config, config.tensor_parallel_size)
         mesh = parallel.make_mesh(config.tensor_parallel_size)
-        spec = config.kv_cache_spec(self.model_config)
+        params = parallel.place_params(params, mesh)
+        self.kv_cache_size = self._kv_cache_size(config, params, mesh)
+        spec = config.kv_cache_spec(self.model_config, self.kv_cache_size.num_blocks)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
         self.max_model_len = self.scheduler_config.max_model_len
         if self.max_model_len < config.model_len(self.model_config):
@@ -122,7 +124,7 @@ class LLMEngine:
                         config.model_len(self.model_config))
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
                                  parallel.cache_sharding(mesh))
-        self.runner = ModelRunner(self.model_config, parallel.place_params(params, mesh), block_size=config.block_size,
+        self.runner = ModelRunner(self.model_config, params, block_size=config.block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
         self._huge_pages = huge_pages.start(self.runner.params)  # meanwhile, the warm-up compiles
@@ -147,8 +149,27 @@ class LLMEngine:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + (() if tokenizer_eos is None else (tokenizer_eos,))))
-        log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens", self.startup_seconds,
-                 self.warmup_seconds, spec.num_slots)
+        log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens in %d blocks, sized by %s",
+                 self.startup_seconds, self.warmup_seconds, spec.num_slots, spec.num_blocks, self.kv_cache_size.reason)
+
+    def _kv_cache_size(self, config: EngineConfig, params, mesh) -> kv_cache_size.KVCacheSize:
+        """How many device blocks (:mod:`engine.kv_cache_size`), with the weights ``params`` in place."""
+        one_block = config.kv_cache_spec(self.model_config)
+        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+
+        def activation_bytes() -> int:
+            largest = ModelRunner(self.model_config, params, block_size=config.block_size,
+                                  max_model_len=config.model_len(self.model_config), max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.batched_tokens, mesh=mesh)
+            layer = jax.ShapeDtypeStruct(one_block.layer_shape, one_block.dtype, sharding=parallel.cache_sharding(mesh))
+            model = largest.activation_bytes([(layer, layer)] * one_block.num_layers)
+            return model + step_sampling.activation_bytes(self.model_config.vocab_size, max(largest.logits_sizes()))
+
+        return kv_cache_size.choose(num_blocks=config.num_blocks, kv_cache_memory=config.kv_cache_memory,
+                                    utilization=config.gpu_memory_utilization,
+                                    bytes_per_block=one_block.bytes_per_block,
+                                    devices=[kv_cache_size.DeviceMemory.of(d) for d in devices],
+                                    activation_bytes=activation_bytes)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import math
 import os
 import threading
 
@@ -130,6 +131,29 @@ def _compile(key, lowered):
     executable = lowered.compile(compiler_options=_compiler_options())
     with _lock:
         return _compiled.setdefault(key, executable)
+
+
+def activation_bytes(stage: str, config, mesh, args, *, resident: set[int]) -> int:
+    """Device memory ``stage`` needs for ``args`` besides the arrays whose ``id`` is in
+    ``resident`` (weights and KV caches, which live anyway): its other arguments, its results
+    (less those written in place of an argument) and its scratch, per device, from XLA's
+    buffer assignment. Compiles the program without keeping it."""
+    compiled = _lower(stage, config, mesh, args).compile(compiler_options=_compiler_options())
+    held = sum(_bytes_per_device(leaf) for leaf in jax.tree.leaves(args) if id(leaf) in resident)
+    return footprint(compiled) - held
+
+
+def footprint(compiled: jax.stages.Compiled) -> int:
+    """Bytes a compiled program holds on each device while it runs: its arguments, its results
+    less those written in place of an argument, and its scratch (XLA's buffer assignment)."""
+    stats = compiled.memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+
+
+def _bytes_per_device(leaf: jax.ShapeDtypeStruct) -> int:
+    shape = leaf.shape if leaf.sharding is None else leaf.sharding.shard_shape(leaf.shape)
+    return math.prod(shape) * leaf.dtype.itemsize
 
 
 def compile_all(calls) -> int:

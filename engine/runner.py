@@ -110,6 +110,14 @@ class ModelOutput:
     following: StepInputs | None = None
 
 
+def _abstract(tree):
+    """``tree`` with every array (or ``jax.ShapeDtypeStruct``) as a ``jax.ShapeDtypeStruct`` of
+    the same shape, dtype and sharding (those already abstract as they are): what lowering
+    needs, and no device memory."""
+    return jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct)
+                        else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def _moved_on(inputs: StepInputs, advanced) -> StepInputs:
     """``inputs`` with the positions, slots and context lengths ``advanced`` (``programs._advanced``'s)."""
     positions, slots, context_lens = advanced
@@ -241,32 +249,53 @@ class ModelRunner:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()
         shapes = self._step_shapes()
-        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
-        params, layer_params, kv_cache = abstract((self.outer_params, self.params["layers"][0], kv_caches[0]))
-        calls = []
-        for kind, num_tokens, num_logits in shapes:
-            works = self._dummy_works(kind, num_tokens)
-            inputs = abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
-            if kind == 1 and num_tokens not in self.one_program_buckets:  # a lookahead's inputs (``advance``)
-                calls.append(("advance", self.config, self.mesh, (inputs.positions, inputs.metadata)))
-            if kind == 1 and num_tokens in self.one_program_buckets:
-                calls.append(("decode", self.config, self.mesh, (abstract(self.params), inputs.input_ids,
-                                                                 inputs.positions, inputs.metadata,
-                                                                 abstract(kv_caches))))
-                continue
-            x, positional = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=inputs.input_ids.sharding),
-                jax.eval_shape(models.stages(self.config).embed, params, inputs.input_ids, inputs.positions))
-            h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32,
-                                     sharding=inputs.input_ids.sharding)
-            calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
-                      ("layer", self.config, self.mesh, (layer_params, x, positional, inputs.metadata, kv_cache)),
-                      ("head", self.config, self.mesh, (params, h, inputs.metadata.argmax_rows))]
-            if inputs.pick:
-                calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))
+        calls = [call for shape in shapes for call in self._calls(shape, kv_caches)]
         compiled = programs.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
+
+    def activation_bytes(self, kv_caches) -> int:
+        """The most device memory a step's program needs besides the weights and the KV cache
+        (its other arguments, results and scratch), over the largest decode and the largest
+        prefill step: what XLA's buffer assignment reports when compiling them for
+        ``kv_caches`` (per layer ``(k, v)``, arrays or ``jax.ShapeDtypeStruct``s; one block
+        will do). Compiles those programs without keeping them."""
+        decode, *_, prefill = self._step_shapes()
+        kv_caches = _abstract(kv_caches)
+        resident = {id(leaf) for leaf in jax.tree.leaves((self._abstract_params, kv_caches))}
+        calls = [call for shape in (decode, prefill) for call in self._calls(shape, kv_caches)]
+        return max(programs.activation_bytes(*call, resident=resident) for call in calls)
+
+    @functools.cached_property
+    def _abstract_params(self):
+        """(outer params, one layer's params, all params) as ``jax.ShapeDtypeStruct``s."""
+        return _abstract((self.outer_params, self.params["layers"][0], self.params))
+
+    def _calls(self, shape: tuple[int, int, int], kv_caches) -> list[tuple]:
+        """The ``(stage, config, mesh, args)`` programs a step of ``shape`` (see
+        :meth:`_step_shapes`) runs, for :func:`programs.compile_all`, with abstract arguments."""
+        kind, num_tokens, num_logits = shape
+        params, layer_params, all_params = self._abstract_params
+        kv_caches = _abstract(kv_caches)
+        works = self._dummy_works(kind, num_tokens)
+        inputs = _abstract(self.prepare(works, list(range(num_logits)) if kind == 1 else [0] * num_logits))
+        if kind == 1 and num_tokens in self.one_program_buckets:
+            return [("decode", self.config, self.mesh, (all_params, inputs.input_ids, inputs.positions,
+                                                        inputs.metadata, kv_caches))]
+        calls = []
+        if kind == 1:  # a lookahead's inputs (``advance``)
+            calls.append(("advance", self.config, self.mesh, (inputs.positions, inputs.metadata)))
+        x, positional = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=inputs.input_ids.sharding),
+            jax.eval_shape(models.stages(self.config).embed, params, inputs.input_ids, inputs.positions))
+        h = jax.ShapeDtypeStruct((inputs.logits_rows.shape[0], self.config.hidden_size), jnp.float32,
+                                 sharding=inputs.input_ids.sharding)
+        calls += [("embed", self.config, self.mesh, (params, inputs.input_ids, inputs.positions)),
+                  ("layer", self.config, self.mesh, (layer_params, x, positional, inputs.metadata, kv_caches[0])),
+                  ("head", self.config, self.mesh, (params, h, inputs.metadata.argmax_rows))]
+        if inputs.pick:
+            calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))
+        return calls
 
     def _step_shapes(self) -> list[tuple[int, int, int]]:
         """Every step shape as (kind, tokens, logits rows): kind 1 is decode-only, 2 has prompts."""

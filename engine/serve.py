@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import os
 import time
 
 import uvicorn
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine import kv_cache_size
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -188,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: the weights' dtype")
     add("--block-size", type=int, default=16)
     add("--num-blocks", type=int, default=None, help="device KV blocks (default: from --kv-cache-memory)")
-    add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default 1 GiB)")
+    add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default: "
+        "from --gpu-memory-utilization on a GPU or TPU, 1 GiB on a CPU)")
+    add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of a GPU's or TPU's memory for the "
+        "weights, activations and KV cache (default 0.9)")
     add("--swap-space", type=float, default=4, help="GiB of host memory for swapped-out blocks")
     add("--max-num-seqs", type=int, default=256)
     add("--max-num-batched-tokens", type=int, default=None)
@@ -207,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
@@ -226,6 +232,9 @@ async def _serve(server: uvicorn.Server, ready_line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # Let JAX's GPU allocator hand out what the engine is told it may use (JAX's own default
+    # is 0.75 of the device), unless the user chose; it is read when JAX first meets the GPU.
+    os.environ.setdefault(kv_cache_size.JAX_GPU_FRACTION, str(args.gpu_memory_utilization))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
@@ -233,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     ready = (f"ready: serving {names[0]} at http://{args.host}:{args.port}/v1 with "
-             f"{engine.engine.kv_capacity_tokens} KV-cache tokens (warm-up {engine.engine.warmup_seconds:.1f} s, "
-             f"start {time.monotonic() - started:.1f} s)")
+             f"{engine.engine.kv_capacity_tokens} KV-cache tokens (sized by {engine.engine.kv_cache_size.reason}; "
+             f"warm-up {engine.engine.warmup_seconds:.1f} s, start {time.monotonic() - started:.1f} s)")
     try:
         asyncio.run(_serve(uvicorn.Server(config), ready))
     finally:

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from engine import programs
 from engine.requests import RequestState
 from engine.sampler import SamplingBatch, SamplerOutput, pick_rows, sample
 from engine.sampling_params import SamplingParams
@@ -193,6 +194,17 @@ def warm_up(vocab_size: int, sizes, *, greedy: bool = True) -> None:
         # Placed on the device, as the model's logits are: an uncommitted array compiles anew.
         logits = jax.device_put(np.zeros((size, vocab_size), np.float32), jax.devices()[0])
         jax.block_until_ready(sample(logits, batch))
+
+
+def activation_bytes(vocab_size: int, size: int) -> int:
+    """Device memory the sampler needs for ``size`` rows besides nothing resident: its heaviest
+    program's (a temperature with top-k, top-p, penalties, ranks and 20 log-probabilities)
+    arguments, results and scratch, from XLA's buffer assignment. Compiles it without keeping it."""
+    batch = batch_for([], 0, vocab_size, size=size).replace(
+        all_greedy=False, top_p_or_min_p=True, max_top_k=64, penalties=True, logprobs=True, ranks=True,
+        num_top_logprobs=20)
+    logits = jax.ShapeDtypeStruct((size, vocab_size), np.float32)
+    return programs.footprint(sample.lower(logits, batch).compile())
 
 
 def _wanted_top(request: RequestState) -> int:
