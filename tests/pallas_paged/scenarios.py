@@ -70,3 +70,15 @@ def make(seqs, *, q_heads, kv_heads, head_dim, block_size, dtype=jnp.float32, pa
 def decode_seqs(context_lens):
     """One query token per sequence."""
     return [(ctx, 1) for ctx in context_lens]
+
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, math in f32, output rounded
+
+
+def assert_close(actual, expected, dtype):
+    """A kernel's output against the oracle's, at ``dtype``'s tolerance, with no NaN or inf
+    (which would mean a read of a block or slot the kernel must not touch)."""
+    actual = np.asarray(actual.astype(jnp.float32))
+    expected = np.asarray(expected.astype(jnp.float32))
+    assert np.isfinite(actual).all(), "kernel output has NaN/inf: it read a block it should not have"
+    np.testing.assert_allclose(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

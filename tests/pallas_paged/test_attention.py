@@ -17,9 +17,7 @@ import pytest
 import pallas_paged
 from pallas_paged import decode, decode_tpu, native, ragged, reference, tiling, xla
 
-from tests.pallas_paged.scenarios import decode_seqs, make
-
-TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, math in f32, output rounded
+from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
 
 HEADS = [  # (q_heads, kv_heads)
     pytest.param((8, 8), id="mha"),
@@ -42,13 +40,6 @@ KERNELS = {
     "pallas": (_interpreted(decode.paged_attention), _interpreted(ragged.ragged_paged_attention)),
 }
 IMPLS = pytest.mark.parametrize("impl", list(KERNELS))
-
-
-def assert_close(actual, expected, dtype):
-    actual = np.asarray(actual.astype(jnp.float32))
-    expected = np.asarray(expected.astype(jnp.float32))
-    assert np.isfinite(actual).all(), "kernel output has NaN/inf: it read a block it should not have"
-    np.testing.assert_allclose(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @IMPLS

@@ -1,0 +1,86 @@
+"""The engine on the GPU, tiny random models (no model hub): greedy output as Hugging Face's,
+the same output under preemption by swapping and by recomputation, the KV pool sized from the
+device's memory, and the server answering the ``openai`` client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from engine import LLM, SamplingParams
+from tests.engine.server import running_server
+from tests.engine.tiny import ENGINE, assert_greedy_batch_matches, prompts, tiny_llm
+from tests.gpu.conftest import gpu_only
+from tests.hf_torch import load_hf_model, require_torch
+from tests.models.tiny_models import write_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total, stats
+    assert stats.host_blocks_free == stats.host_blocks_total, stats
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2", "opt"])
+def test_greedy_batch_matches_hugging_face(name, dtype, tmp_path):
+    """HF in float32 on the CPU is the reference; bfloat16 weights must stay among its top-5
+    where they part (see :func:`tests.engine.tiny.assert_same_or_close`)."""
+    require_torch()
+    llm, _ = tiny_llm(name, tmp_path, dtype=dtype)
+    assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_leaves_the_output_unchanged(mode, tmp_path):
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path)
+    batch = prompts(12, config.vocab_size, seed=7)
+    want = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    small = LLM(str(tmp_path), **{**ENGINE, "num_blocks": 14, "preemption_mode": mode})
+    got = [o.outputs[0].token_ids for o in small.generate(batch, GREEDY, use_tqdm=False)]
+    assert small.cache_stats().num_preemptions > 0, "the small pool was meant to force preemption"
+    assert got == want
+    assert_all_blocks_free(small)
+
+
+@gpu_only
+def test_the_pool_is_sized_from_the_device_memory(tmp_path):
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=None, gpu_memory_utilization=0.3)
+    size = llm.engine.kv_cache_size
+    assert size.reason.startswith("gpu_memory_utilization")
+    assert llm.engine.cache.spec.num_blocks == size.num_blocks > 1000  # a tiny model on a GPU: a large pool
+
+
+def write_byte_tokenizer(directory, vocab_size: int) -> None:
+    """A byte-level tokenizer (one token per byte) with a chat template, saved into ``directory``,
+    so a tiny random model can serve text. Token 2, the tiny models' end of sequence, is its EOS."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(alphabet) <= vocab_size
+    tokenizer = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=alphabet[2])
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(directory)
+
+
+def test_the_server_answers_the_openai_client(tmp_path):
+    config = write_checkpoint("llama_gqa_tied", tmp_path)
+    write_byte_tokenizer(tmp_path, config.vocab_size)
+    args = ["--model", str(tmp_path), "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "8",
+            "--swap-space", "0.01"]
+    with running_server(*args) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        completion = client.completions.create(model="tiny", prompt="Hello, GPU", max_tokens=12, temperature=0)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0)
+    expected = LLM(str(tmp_path), **ENGINE).generate(["Hello, GPU"], SamplingParams(temperature=0, max_tokens=12),
+                                                     use_tqdm=False)[0].outputs[0]
+    assert completion.choices[0].text == expected.text
+    assert completion.usage.completion_tokens == len(expected.token_ids)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0

@@ -1,0 +1,85 @@
+"""The kernels as the GPU compiles them (Triton), against the dense oracle: float32 at the
+oracle's tight tolerance (full-precision products, not TF32), bfloat16 at its own; and the
+cache and swap operations, exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged
+from engine.cache_engine import CacheEngine
+from pallas_paged import reference
+from tests.gpu.conftest import gpu_only
+from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
+
+TRITON = "__gpu$xla.gpu.triton"
+DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+HEADS = pytest.mark.parametrize("heads", [(8, 8), (9, 3), (32, 8)], ids=["mha", "gqa9-3", "gqa32-8"])
+
+
+@DTYPES
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_matches_oracle(dtype, heads, head_dim, block_size):
+    s = make(decode_seqs([1, block_size, 5 * block_size + 1, 1037, 77]), q_heads=heads[0], kv_heads=heads[1],
+             head_dim=head_dim, block_size=block_size, dtype=dtype, seed=block_size + head_dim)
+    assert_close(jax.jit(pallas_paged.paged_attention)(*s.decode_args), reference.paged_attention(*s.decode_args),
+                 dtype)
+
+
+@DTYPES
+@HEADS
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_ragged_matches_oracle(dtype, heads, block_size):
+    """Whole prompts, a chunk after a cached prefix, decodes, an idle sequence and padding."""
+    seqs = [(1, 1), (45, 45), (4 * block_size, 4 * block_size), (1100, 60), (3 * block_size + 5, 1),
+            (2 * block_size, 0), (250, 17)]
+    s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=64, block_size=block_size, dtype=dtype,
+             padding_tokens=5, seed=block_size)
+    actual = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
+    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), dtype)
+    assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
+
+
+@gpu_only
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+def test_the_gpu_runs_the_triton_kernels(op):
+    s = make(decode_seqs([20, 3]), q_heads=4, kv_heads=2, head_dim=64, block_size=8)
+    fn, args = ((pallas_paged.paged_attention, s.decode_args) if op == "decode"
+                else (pallas_paged.ragged_paged_attention, s.ragged_args))
+    with pallas_paged.lowering.quietly():
+        assert TRITON in jax.jit(fn).lower(*args).as_text()
+
+
+@DTYPES
+def test_write_copy_and_swap_blocks_are_exact(dtype):
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((2, 8, 4, 64)), dtype) for _ in range(2))
+    new_k, new_v = (jnp.asarray(rng.standard_normal((3, 2, 64)), dtype) for _ in range(2))
+    k, v = jax.jit(pallas_paged.write_kv)(k, v, new_k, new_v, jnp.array([5, -1, 30], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(k[:, 1, 1]), np.asarray(new_k[0]))
+    np.testing.assert_array_equal(np.asarray(v[:, 7, 2]), np.asarray(new_v[2]))
+    k, v = jax.jit(pallas_paged.copy_blocks)(k, v, jnp.array([1, 7], jnp.int32), jnp.array([3, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(k[:, 3]), np.asarray(k[:, 1]))
+    host_k, host_v = pallas_paged.swap_out(k, v, jnp.array([3, 0], jnp.int32))
+    assert host_k.sharding.memory_kind == "pinned_host"
+    back_k, _ = pallas_paged.swap_in(jnp.zeros_like(k), jnp.zeros_like(v), host_k, host_v, jnp.array([6, 2]))
+    np.testing.assert_array_equal(np.asarray(back_k[:, [6, 2]]), np.asarray(k[:, [3, 0]]))
+
+
+@DTYPES
+def test_the_cache_engine_swaps_blocks_out_and_back_exactly(dtype):
+    spec = pallas_paged.KVCacheSpec(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=64, num_layers=2, dtype=dtype)
+    cache = CacheEngine(spec, num_host_blocks=4)
+    rng = np.random.default_rng(1)
+    cache.kv_caches = [tuple(jnp.asarray(rng.standard_normal(spec.layer_shape), dtype) for _ in range(2))
+                       for _ in range(spec.num_layers)]
+    before = [np.asarray(a) for layer in cache.kv_caches for a in layer]
+    cache.apply(swap_out=[(0, 3), (6, 1)])
+    cache.apply(swap_in=[(3, 7), (1, 2)], copy=[(7, 5)])
+    for old, new in zip(before, [np.asarray(a) for layer in cache.kv_caches for a in layer]):
+        np.testing.assert_array_equal(new[:, [7, 2, 5]], old[:, [0, 6, 0]])
