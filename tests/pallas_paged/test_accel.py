@@ -8,6 +8,7 @@ shared memory) and unsupported vector shapes.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import jax
@@ -33,7 +34,8 @@ def tpu_devices():
 
 def gpu_devices():
     """A compile-only H100, described by ``data/h100.txtpb`` (the CUDA plugin needs no GPU for this)."""
-    pytest.importorskip("jax_cuda12_plugin", reason="needs the cuda extra: pip install -e '.[cuda]'")
+    if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (13, 12)):
+        pytest.skip("needs the cuda extra: pip install -e '.[cuda]'")
     target_config = (pathlib.Path(__file__).parent / "data" / "h100.txtpb").read_text()
     return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config).devices
 
