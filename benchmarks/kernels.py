@@ -9,8 +9,8 @@ Columns: the kernel this CPU runs (``pallas_paged``'s public functions: the
 native C++ kernel) reading blocks in a random order through block tables; the
 same kernel with each sequence's blocks in order (how a batch of prompts
 admitted together lies in the engine's cache); the Pallas kernel, the source
-GPUs compile, in interpret mode, blocks shuffled; the same work as dense XLA attention on a contiguous ``[seqs, kv_heads,
-context, d]`` cache, the faster of two ways of writing it (decode: einsum or
+GPUs compile, in interpret mode, blocks shuffled; the same work as dense XLA attention on a
+contiguous ``[seqs, kv_heads, context, d]`` cache, the faster of two ways of writing it (decode: einsum or
 multiply-and-sum; prefill: the whole masked square, or causal tiles that skip
 what the mask hides); and the XLA gather formulation (gather the blocks, then
 attend). The paper's bar: paging costs at most 1.25x the contiguous version.
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_paged
-from pallas_paged import decode, ragged, tiling, xla
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
+from pallas_paged import decode, ragged, tiling, xla
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -163,8 +163,8 @@ def bench_prefill(seqs, length, dtype, rng):
     ordered = in_order(k, v, tables)
     reference = np.asarray(dense_prefill(q, k, v).reshape(flat_q.shape), np.float32)
     for kernel, caches in ((paged, (k_cache, v_cache, tables)), (paged, ordered), (pallas, (k_cache, v_cache, tables))):
-        np.testing.assert_allclose(np.asarray(kernel(flat_q, caches[0], caches[1], caches[2], lens, starts), np.float32),
-                                   reference, atol=3e-2)
+        out = kernel(flat_q, caches[0], caches[1], caches[2], lens, starts)
+        np.testing.assert_allclose(np.asarray(out, np.float32), reference, atol=3e-2)
     np.testing.assert_allclose(np.asarray(dense_prefill_causal_tiles(q, k, v).reshape(flat_q.shape), np.float32),
                                reference, atol=3e-2)
     times = time_interleaved({

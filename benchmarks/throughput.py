@@ -21,7 +21,8 @@ import numpy as np
 import pallas_paged
 from benchmarks import offline, workloads
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
-from engine import LLM, SamplingParams, huge_pages
+from engine import LLM, SamplingParams
+from engine.worker import huge_pages
 
 
 def engine_run(llm: LLM, prompts, output_lens) -> tuple[float, int]:
@@ -52,7 +53,7 @@ def decode_rate(llm: LLM, prompt, max_tokens: int) -> tuple[float, float]:
 def memory_bandwidth(gigabytes: float = 0.5) -> float:
     """Bytes per second a jitted sum reads from a float32 array far larger than the caches,
     on every core (the same way the model's matrix-vector products read their weights), on
-    the same kind of pages as the engine's weights (:mod:`engine.huge_pages`): the sum reads
+    the same kind of pages as the engine's weights (:mod:`engine.worker.huge_pages`): the sum reads
     faster from huge pages too, and the bound must not count that as the engine's gain."""
     data = jnp.ones(int(gigabytes * 2**30) // 4, jnp.float32)
     if huge_pages.enabled():

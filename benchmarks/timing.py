@@ -17,7 +17,8 @@ import jax
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
-def time_interleaved(variants: dict[str, Callable[[], object]], *, rounds: int = 7, min_seconds: float = 0.05) -> dict[str, float]:
+def time_interleaved(variants: dict[str, Callable[[], object]], *, rounds: int = 7,
+                     min_seconds: float = 0.05) -> dict[str, float]:
     """Median seconds per call of each zero-argument callable, run round-robin.
 
     Each callable is warmed up (compiled) first; within a round it is called

@@ -4,7 +4,7 @@
     outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=32))
 """
 
-from engine.llm import LLM, CacheStats
+from engine.entrypoints.llm import LLM, CacheStats
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 

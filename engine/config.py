@@ -8,8 +8,8 @@ import numbers
 import jax.numpy as jnp
 
 import pallas_paged
-from engine.block_manager import RESERVATIONS, BlockManagerConfig
-from engine.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
+from engine.core.block_manager import RESERVATIONS, BlockManagerConfig
+from engine.core.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from models import ModelConfig
 
 DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
@@ -37,13 +37,13 @@ class EngineConfig:
     float32); ``kv_cache_dtype`` the cache's. ``num_blocks`` fixes the device pool exactly;
     otherwise ``kv_cache_memory`` bytes decide it, or on a GPU or TPU
     ``gpu_memory_utilization`` of the device's memory less the weights and peak activations,
-    and on a CPU 1 GiB (see :mod:`engine.kv_cache_size`). ``swap_space`` is GiB
+    and on a CPU 1 GiB (see :mod:`engine.worker.kv_cache_size`). ``swap_space`` is GiB
     of host blocks. ``max_num_batched_tokens`` (tokens per step; longer prompts are prefilled
     in chunks) defaults to max(2048, max_num_seqs). ``warmup`` compiles every step shape at
     start; without it each shape compiles the first time a step needs it.
-    ``tensor_parallel_size`` splits the model over that many devices (see ``engine.parallel``).
+    ``tensor_parallel_size`` splits the model over that many devices (see ``engine.worker.tensor_parallel``).
     ``async_scheduling`` dispatches a decode step before the previous one's tokens reach the
-    host, where that cannot change what is generated (see ``engine.lookahead``).
+    host, where that cannot change what is generated (see ``engine.async_scheduling``).
     """
 
     model: str | None = None
@@ -123,7 +123,7 @@ class EngineConfig:
         return self.param_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def kv_cache_spec(self, model: ModelConfig, num_blocks: int = 1) -> pallas_paged.KVCacheSpec:
-        """The device KV cache of ``num_blocks`` blocks for ``model`` (how many: :mod:`engine.kv_cache_size`)."""
+        """The device KV cache of ``num_blocks`` blocks for ``model`` (how many: :mod:`engine.worker.kv_cache_size`)."""
         return pallas_paged.KVCacheSpec(num_blocks, self.block_size, model.num_kv_heads, model.head_dim,
                                         model.num_layers, jnp.dtype(self.cache_dtype))
 

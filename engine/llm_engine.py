@@ -12,84 +12,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
-from pathlib import Path
 
 import jax
 import numpy as np
 
-import models
-import pallas_paged
-from models import gguf_cache
-from engine import beam_search, huge_pages, kv_cache_size, lookahead, parallel, step_sampling
-from engine import scheduler as sch
-from engine.cache_engine import CacheEngine
+from engine import async_scheduling, beam_search
 from engine.config import EngineConfig
+from engine.core import scheduler
+from engine.core.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
 from engine.outputs import RequestOutput, token_logprobs
-from engine.requests import RequestState, SeqProgress
+from engine.request_state import RequestState, SeqProgress
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
-from engine.runner import ModelRunner
-from engine.sampler import prompt_logprobs
-from engine.step_sampling import Row
+from engine.worker import huge_pages, kv_cache_size, model_loader, sampling_rows, tensor_parallel
+from engine.worker.cache_engine import CacheEngine
+from engine.worker.model_runner import ModelRunner
+from engine.worker.sampler import prompt_logprobs
+from engine.worker.sampling_rows import Row
 
 log = logging.getLogger(__name__)
 
 # vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
 _FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINISHED_IGNORED: "length",
                    SequenceStatus.FINISHED_ABORTED: "abort"}
-
-
-def _use_compilation_cache() -> None:
-    """Keep compiled programs on disk (``xla/`` under the cache root of
-    :func:`models.gguf_cache.cache_root`), so a restart skips most of the warm-up."""
-    root = gguf_cache.cache_root()
-    if root is not None and jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-
-
-class _SharedModel:
-    """A loaded model that every engine of the same checkpoint uses while one is alive."""
-
-    __slots__ = ("loaded", "__weakref__")
-
-    def __init__(self, loaded: models.LoadedModel):
-        self.loaded = loaded
-
-
-_shared_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _checkpoint_version(path: Path) -> tuple:
-    """Names, sizes and modification times of a checkpoint's files: what changes when it is re-saved."""
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-
-
-def _load_model(model: str | None, dtype: str, *, tensor_parallel_size: int) -> _SharedModel:
-    """The checkpoint's parameters, loaded once while some engine uses them: engines of the
-    same files share them (they are immutable), a re-saved checkpoint is read afresh, and
-    they are freed with the last engine. Engines without a device mesh, where
-    :func:`pallas_paged.packing_enabled`, pack the weights for the native CPU product
-    (:func:`models.packed_for_cpu`) and keep only the packed ones. A checkpoint no engine
-    holds is read while the native kernels build or load (on a first start, g++ takes
-    seconds), as whether to pack depends on them."""
-    path = models.resolve(model)
-    base = (str(path.resolve()), dtype, _checkpoint_version(path))
-    loaded = None
-    if not any(key[:3] == base for key in list(_shared_models.keys())):
-        pallas_paged.native.start_loading()
-        loaded = models.load_model(path, dtype=dtype)
-    packed = tensor_parallel_size == 1 and pallas_paged.packing_enabled()
-    key = (*base, packed)
-    shared = _shared_models.get(key)
-    if shared is None:
-        loaded = loaded or models.load_model(path, dtype=dtype)
-        if packed:
-            loaded = loaded._replace(params=models.packed_for_cpu(loaded.params, consume=True))
-        shared = _shared_models[key] = _SharedModel(loaded)
-    return shared
 
 
 @dataclasses.dataclass
@@ -107,13 +51,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         start = time.monotonic()
-        _use_compilation_cache()
+        model_loader.use_compilation_cache()
         self.config = config
-        self._model = _load_model(config.model, config.param_dtype, tensor_parallel_size=config.tensor_parallel_size)
+        self._model = model_loader.load_shared(config.model, config.param_dtype,
+                                               tensor_parallel_size=config.tensor_parallel_size)
         self.model_config, params, self.tokenizer = self._model.loaded
-        parallel.check_divisible(self.model_config, config.tensor_parallel_size)
-        mesh = parallel.make_mesh(config.tensor_parallel_size)
-        params = parallel.place_params(params, mesh)
+        tensor_parallel.check_divisible(self.model_config, config.tensor_parallel_size)
+        mesh = tensor_parallel.make_mesh(config.tensor_parallel_size)
+        params = tensor_parallel.place_params(params, mesh)
         self.kv_cache_size = self._kv_cache_size(config, params, mesh)
         spec = config.kv_cache_spec(self.model_config, self.kv_cache_size.num_blocks)
         self.scheduler_config = config.scheduler_config(self.model_config, spec)
@@ -123,7 +68,7 @@ class LLMEngine:
                         "is lowered to that (give the cache more blocks to keep it)", self.max_model_len,
                         config.model_len(self.model_config))
         self.cache = CacheEngine(spec, self.scheduler_config.block_manager.num_host_blocks,
-                                 parallel.cache_sharding(mesh))
+                                 tensor_parallel.cache_sharding(mesh))
         self.runner = ModelRunner(self.model_config, params, block_size=config.block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, mesh=mesh)
@@ -135,14 +80,14 @@ class LLMEngine:
         if config.warmup:
             self.runner.warm_up(self.cache.kv_caches)
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
-                step_sampling.warm_up(self.model_config.vocab_size, self._sampler_sizes)
+                sampling_rows.warm_up(self.model_config.vocab_size, self._sampler_sizes)
                 self._idle_warm_ups = sorted(self._sampler_sizes)
         self.warmup_seconds = time.monotonic() - loaded
         self.startup_seconds = time.monotonic() - start
-        self.state = sch.initial_state(self.scheduler_config)
+        self.state = scheduler.initial_state(self.scheduler_config)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
-        self._lookahead: lookahead.Lookahead | None = None
+        self._lookahead: async_scheduling.Lookahead | None = None
         self._async = config.async_scheduling and mesh is None  # not under a mesh: untested there
         self._seeds = np.random.default_rng(config.seed)
         # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
@@ -153,7 +98,7 @@ class LLMEngine:
                  self.startup_seconds, self.warmup_seconds, spec.num_slots, spec.num_blocks, self.kv_cache_size.reason)
 
     def _kv_cache_size(self, config: EngineConfig, params, mesh) -> kv_cache_size.KVCacheSize:
-        """How many device blocks (:mod:`engine.kv_cache_size`), with the weights ``params`` in place."""
+        """How many device blocks (:mod:`engine.worker.kv_cache_size`), with the weights ``params`` in place."""
         one_block = config.kv_cache_spec(self.model_config)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
 
@@ -161,9 +106,10 @@ class LLMEngine:
             largest = ModelRunner(self.model_config, params, block_size=config.block_size,
                                   max_model_len=config.model_len(self.model_config), max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.batched_tokens, mesh=mesh)
-            layer = jax.ShapeDtypeStruct(one_block.layer_shape, one_block.dtype, sharding=parallel.cache_sharding(mesh))
+            layer = jax.ShapeDtypeStruct(one_block.layer_shape, one_block.dtype,
+                                         sharding=tensor_parallel.cache_sharding(mesh))
             model = largest.activation_bytes([(layer, layer)] * one_block.num_layers)
-            return model + step_sampling.activation_bytes(self.model_config.vocab_size, max(largest.logits_sizes()))
+            return model + sampling_rows.activation_bytes(self.model_config.vocab_size, max(largest.logits_sizes()))
 
         return kv_cache_size.choose(num_blocks=config.num_blocks, kv_cache_memory=config.kv_cache_memory,
                                     utilization=config.gpu_memory_utilization,
@@ -198,18 +144,19 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or room, room)
         # Prompt log-probabilities need every prompt token's logits, so no prefix-cache hits (as vLLM).
         wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
-        self.state = sch.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
+        self.state = scheduler.add_request(self.state, request_id, token_ids, max_tokens=max_tokens, num_seqs=width,
                                      expected_output_len=expected_output_len,
                                      use_prefix_cache=not wants_prompt_logprobs,
                                      may_fork=isinstance(params, BeamSearchParams))
-        group = sch.find_group(self.state, request_id)
+        group = scheduler.find_group(self.state, request_id)
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))
         request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
                                seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
                                bad_word_ids=bad_word_ids)
         logprob = 0.0 if request.tracks_logprob else None
-        request.seqs = {seq.seq_id: SeqProgress(index=i, cumulative_logprob=logprob) for i, seq in enumerate(group.seqs)}
+        request.seqs = {seq.seq_id: SeqProgress(index=i, cumulative_logprob=logprob)
+                        for i, seq in enumerate(group.seqs)}
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         if isinstance(params, BeamSearchParams):
@@ -252,7 +199,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""
-        self.state = sch.abort(self.state, request_id)
+        self.state = scheduler.abort(self.state, request_id)
         request = self.requests.pop(request_id, None)
         if request is not None:
             request.aborted = True
@@ -260,7 +207,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's): later prompts compute every block again. False,
         changing nothing, while requests are running or swapped out."""
-        state = sch.reset_prefix_cache(self.state)
+        state = scheduler.reset_prefix_cache(self.state)
         if state is None:
             log.warning("the prefix cache was not reset: requests hold blocks")
             return False
@@ -283,7 +230,7 @@ class LLMEngine:
         if not self._idle_warm_ups:
             return False
         try:
-            step_sampling.warm_up(self.model_config.vocab_size, [self._idle_warm_ups.pop(0)], greedy=False)
+            sampling_rows.warm_up(self.model_config.vocab_size, [self._idle_warm_ups.pop(0)], greedy=False)
         except Exception:  # an optimisation only: steps still compile what they need
             log.exception("warming up the sampler failed; the rest compiles on first use")
             self._idle_warm_ups.clear()
@@ -299,7 +246,7 @@ class LLMEngine:
         lost), their blocks are freed, and the exception propagates; the engine stays usable.
 
         With ``async_scheduling``, a decode step may already have run as the previous step's
-        lookahead (:mod:`engine.lookahead`): then its tokens are taken instead of running it.
+        lookahead (:mod:`engine.async_scheduling`): then its tokens are taken instead of running it.
         """
         ahead, self._lookahead = self._lookahead, None
         self.state, plan = self._plan(ahead)
@@ -313,7 +260,7 @@ class LLMEngine:
                     log.warning("request %s stopped before its end: %s", request_id, reason)
         blocks_moved = False
         try:
-            if ahead is not None and lookahead.computed(ahead.works, plan):
+            if ahead is not None and async_scheduling.computed(ahead.works, plan):
                 blocks_moved = True
                 launched = ahead.launched
                 self.counters.lookahead_steps += 1
@@ -322,10 +269,10 @@ class LLMEngine:
                 blocks_moved = True
                 launched = self._launch(plan.scheduled) if plan.scheduled else None
             if launched is not None and self._async and \
-                    lookahead.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
+                    async_scheduling.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
                 self._lookahead = self._dispatch_lookahead(plan.scheduled, launched)
             actions = self._record(launched, touched) if launched is not None else []
-            self.state = sch.update(self.state, actions)
+            self.state = scheduler.update(self.state, actions)
         except BaseException as error:
             self._lookahead = None
             self._recover(plan, error, every_request=not blocks_moved)
@@ -333,19 +280,20 @@ class LLMEngine:
         self.counters.steps += 1
         return self._collect(touched)
 
-    def _plan(self, ahead: lookahead.Lookahead | None) -> tuple[sch.SchedulerState, sch.SchedulerOutput]:
+    def _plan(self, ahead: async_scheduling.Lookahead | None
+              ) -> tuple[scheduler.SchedulerState, scheduler.SchedulerOutput]:
         """The scheduler's plan for this step. If it would drop the lookahead ``ahead`` only to
         admit requests that arrived while it ran, they wait a step more instead: the device is
         running that step anyway, and dropping it would cost every running request a step, to
         start the new ones sooner only by the host's turnaround between two steps."""
-        state, plan = sch.schedule(self.state)
-        if ahead is not None and self.state.waiting and not lookahead.computed(ahead.works, plan):
-            deferred, without = sch.schedule(self.state, admit=False)
-            if lookahead.computed(ahead.works, without):
+        state, plan = scheduler.schedule(self.state)
+        if ahead is not None and self.state.waiting and not async_scheduling.computed(ahead.works, plan):
+            deferred, without = scheduler.schedule(self.state, admit=False)
+            if async_scheduling.computed(ahead.works, without):
                 return deferred, without
         return state, plan
 
-    def _recover(self, plan: sch.SchedulerOutput, error: BaseException, every_request: bool) -> None:
+    def _recover(self, plan: scheduler.SchedulerOutput, error: BaseException, every_request: bool) -> None:
         """Abort the requests a failed step touched and close the step, so no block stays held.
         Swaps that may not have happened, or caches a failed program consumed, leave no
         request's KV trustworthy: then every request is aborted, and lost caches start afresh."""
@@ -358,17 +306,17 @@ class LLMEngine:
             if request is not None:
                 request.error = reason
         if self.state.pending is not None:
-            self.state = sch.update(self.state, [])
+            self.state = scheduler.update(self.state, [])
         if lost:
             self.cache.reset()
-            self.state = sch.initial_state(self.scheduler_config)
+            self.state = scheduler.initial_state(self.scheduler_config)
         log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
-    def _launch(self, works) -> lookahead.Launched | None:
+    def _launch(self, works) -> async_scheduling.Launched | None:
         """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
         which wait for the logits); None when nothing samples."""
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
-        argmax_only = not prompt_rows and step_sampling.argmax_suffices(rows)
+        argmax_only = not prompt_rows and sampling_rows.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
@@ -379,17 +327,17 @@ class LLMEngine:
         tables = tuple(work.block_table for work in works)
         if argmax_only and out.argmax is not None and [row.logits_row for row in rows] == list(range(len(rows))):
             # The decode program took each row's arg-max already: no sampler program to wait on.
-            return lookahead.Launched(tuple(rows), step_sampling.model_argmax(out.argmax), inputs, None,
+            return async_scheduling.Launched(tuple(rows), sampling_rows.model_argmax(out.argmax), inputs, None,
                                       out.following, tables)
         # Padded to the logits' rows when the warm-up compiled that size; otherwise (the token
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
         logits = out.logits
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
-        sampled, batch = step_sampling.dispatch(logits, rows, pad_to=pad_to)
-        return lookahead.Launched(tuple(rows), sampled, inputs, batch, out.following, tables)
+        sampled, batch = sampling_rows.dispatch(logits, rows, pad_to=pad_to)
+        return async_scheduling.Launched(tuple(rows), sampled, inputs, batch, out.following, tables)
 
-    def _dispatch_lookahead(self, works, launched: lookahead.Launched) -> lookahead.Lookahead | None:
-        """Dispatch the decode after ``works`` (see :func:`engine.lookahead.eligible`), its input
+    def _dispatch_lookahead(self, works, launched: async_scheduling.Launched) -> async_scheduling.Lookahead | None:
+        """Dispatch the decode after ``works`` (see :func:`engine.async_scheduling.eligible`), its input
         tokens ``launched``'s samples on the device. None when the step picked its logits rows,
         or padded its samples to another size."""
         tokens, inputs = launched.sampled.tokens, launched.inputs
@@ -402,19 +350,19 @@ class LLMEngine:
         inputs = following.replace(input_ids=tokens)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         if launched.batch is None:  # the same program as ``launched``'s, so the arg-max is there
-            sampled, batch = step_sampling.model_argmax(out.argmax), None
+            sampled, batch = sampling_rows.model_argmax(out.argmax), None
         else:
-            sampled, batch = step_sampling.dispatch_next(out.logits, launched.batch)
+            sampled, batch = sampling_rows.dispatch_next(out.logits, launched.batch)
         rows = launched.rows
         if any(row.logits_row != i for i, row in enumerate(rows)):
             rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
-        return lookahead.Lookahead(lookahead.next_works(works),
-                                   lookahead.Launched(rows, sampled, inputs, batch, out.following, tables))
+        return async_scheduling.Lookahead(async_scheduling.next_works(works),
+                                   async_scheduling.Launched(rows, sampled, inputs, batch, out.following, tables))
 
-    def _record(self, launched: lookahead.Launched, touched) -> list:
+    def _record(self, launched: async_scheduling.Launched, touched) -> list:
         """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""
         rows = launched.rows
-        sampled = step_sampling.fetch(launched.sampled, len(rows))
+        sampled = sampling_rows.fetch(launched.sampled, len(rows))
         actions, next_child = [], self.state.next_seq_id
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
@@ -543,5 +491,5 @@ class LLMEngine:
                 self.requests.pop(request_id, None)
         return outputs
 
-    def stats(self) -> sch.SchedulerStats:
-        return sch.stats(self.state)
+    def stats(self) -> scheduler.SchedulerStats:
+        return scheduler.stats(self.state)

@@ -27,9 +27,10 @@ class SamplingParams:
     lands on a boundary between two tokens can flip). stop / stop_token_ids
     end a completion; the text leaves out the stop string, or the text of the stop token or
     EOS, unless include_stop_str_in_output. ignore_eos keeps going past EOS; min_tokens bans
-    EOS and stop tokens, and ignores stop strings, until that many are generated. logprobs / prompt_logprobs: how many top alternatives to return
-    per generated / prompt token (0 = just the chosen token's). logit_bias: a mapping from
-    token id to a number added to that token's logit before anything else (OpenAI's and vLLM's
+    EOS and stop tokens, and ignores stop strings, until that many are generated.
+    logprobs / prompt_logprobs: how many top alternatives to return per generated / prompt
+    token (0 = just the chosen token's). logit_bias: a mapping from token id to a number added
+    to that token's logit before anything else (OpenAI's and vLLM's
     ``logit_bias``; -100 in effect bans a token, +100 forces it), stored as sorted
     ``(token, bias)`` pairs; it changes what is sampled, not the log-probabilities reported.
     allowed_token_ids: if given, the only tokens that may be generated (vLLM's; a non-empty

@@ -76,5 +76,6 @@ def _layer_from_hf(config: ModelConfig, get, prefix: str):
         "attn_norm": {"scale": layers.tensor_from_hf(get, prefix + "input_layernorm.weight", (hidden,))},
         **layers.attention_from_hf(get, prefix + "self_attn.", "o_proj", config),
         "mlp_norm": {"scale": layers.tensor_from_hf(get, prefix + "post_attention_layernorm.weight", (hidden,))},
-        **{key: layers.linear_from_hf(get, f"{mlp}{key}_proj", config.mlp_bias, shape) for key, shape in shapes.items()},
+        **{key: layers.linear_from_hf(get, f"{mlp}{key}_proj", config.mlp_bias, shape)
+           for key, shape in shapes.items()},
     }

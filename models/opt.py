@@ -96,12 +96,13 @@ def _decoder_root(get) -> tuple[str, np.ndarray]:
 
 
 def _layer_from_hf(config: ModelConfig, get, prefix: str):
+    ffn = config.intermediate_size
     return {
         "attn_norm": _norm_from_hf(config, get, prefix + "self_attn_layer_norm"),
         **layers.attention_from_hf(get, prefix + "self_attn.", "out_proj", config),
         "mlp_norm": _norm_from_hf(config, get, prefix + "final_layer_norm"),
-        "fc1": layers.linear_from_hf(get, prefix + "fc1", config.mlp_bias, (config.intermediate_size, config.hidden_size)),
-        "fc2": layers.linear_from_hf(get, prefix + "fc2", config.mlp_bias, (config.hidden_size, config.intermediate_size)),
+        "fc1": layers.linear_from_hf(get, prefix + "fc1", config.mlp_bias, (ffn, config.hidden_size)),
+        "fc2": layers.linear_from_hf(get, prefix + "fc2", config.mlp_bias, (config.hidden_size, ffn)),
     }
 
 

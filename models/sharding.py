@@ -23,7 +23,8 @@ specs (``jax.device_put(params, named_shardings(mesh, params))``).
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXIS = "tp"
 COLUMN_PARALLEL = frozenset({"q", "k", "v", "gate", "up", "fc1", "lm_head"})

@@ -21,8 +21,19 @@ import jax
 from pallas_paged import decode, decode_tpu, lowering, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
-from pallas_paged.matmul import (argmax_head, argmax_screen, gated_matmul, is_packed, matmul, matmuls, pack, packable,
-                                  packing_enabled, rms_norm, screenable)
+from pallas_paged.matmul import (
+    argmax_head,
+    argmax_screen,
+    gated_matmul,
+    is_packed,
+    matmul,
+    matmuls,
+    pack,
+    packable,
+    packing_enabled,
+    rms_norm,
+    screenable,
+)
 from pallas_paged.xla_options import compiler_options
 
 __all__ = [
@@ -52,8 +63,8 @@ __all__ = [
 
 def _check(q, k_cache, v_cache, block_tables, context_lens):
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)} and v_cache {v_cache.dtype}{list(v_cache.shape)}"
-                         " must have the same shape and dtype")
+        raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)} and v_cache "
+                         f"{v_cache.dtype}{list(v_cache.shape)} must have the same shape and dtype")
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q head_dim {q.shape[-1]} differs from the cache's head_dim {k_cache.shape[-1]}")
     if q.shape[-2] % k_cache.shape[0]:

@@ -71,8 +71,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % blocks_per_step)))
 
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_ragged_kernel, heads_per_program=per_program,
-                               blocks_per_step=blocks_per_step, one_by_one=tiling.one_by_one, group_rows=rows, scale=scale)
+    kernel = functools.partial(_ragged_kernel, heads_per_program=per_program, blocks_per_step=blocks_per_step,
+                               one_by_one=tiling.one_by_one, group_rows=rows, scale=scale)
     out = pl.pallas_call(
         kernel,
         grid=(kv_heads // per_program, tiles.num_used if tiling.dynamic_grid else num_tiles),

@@ -19,8 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.models.tiny_models import (REFERENCE_DECODE_STEPS, REFERENCE_PROMPT_LENS, TINY_CONFIGS, reference_prompts,
-                                      write_checkpoint)
+from tests.models.tiny_models import (
+    REFERENCE_DECODE_STEPS,
+    REFERENCE_PROMPT_LENS,
+    TINY_CONFIGS,
+    reference_prompts,
+    write_checkpoint,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 SMOLLM2_FILE = DATA / "hf_smollm2.json"

@@ -9,9 +9,8 @@ copy-on-write, a swap applied in the wrong order or a bad prefix-cache hit fails
 
 from hypothesis import settings
 
-from engine import block_manager as bm
-from engine import scheduler as sch
-from engine.sequence import SequenceStatus
+from engine.core import block_manager, scheduler
+from engine.core.sequence import SequenceStatus
 
 settings.register_profile("engine", max_examples=150, stateful_step_count=40, deadline=None)
 settings.register_profile("engine-soak", max_examples=3000, stateful_step_count=60, deadline=None)
@@ -24,16 +23,16 @@ def make_config(
     *, block_size=4, num_device_blocks=64, num_host_blocks=64, max_num_batched_tokens=64,
     max_num_seqs=8, max_model_len=64, watermark=0.0, prefix_caching=False, reservation="paged",
     preemption_mode=None, policy="fcfs", reserve_next_block=False,
-) -> sch.SchedulerConfig:
+) -> scheduler.SchedulerConfig:
     """A scheduler configuration with small, overridable defaults."""
-    return sch.SchedulerConfig(
+    return scheduler.SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
         policy=policy,
         reserve_next_block=reserve_next_block,
-        block_manager=bm.BlockManagerConfig(
+        block_manager=block_manager.BlockManagerConfig(
             block_size=block_size,
             num_device_blocks=num_device_blocks,
             num_host_blocks=num_host_blocks,
@@ -67,7 +66,7 @@ class FakeCache:
                 if (src, offset) in source:
                     target[(dst, offset)] = source[(src, offset)]
 
-    def apply(self, out: sch.SchedulerOutput) -> None:
+    def apply(self, out: scheduler.SchedulerOutput) -> None:
         """Block operations in the documented order: swap out, swap in, copy."""
         self._copy_blocks(self.device, self.host, out.blocks_to_swap_out)
         self._copy_blocks(self.host, self.device, out.blocks_to_swap_in)
@@ -76,7 +75,7 @@ class FakeCache:
     def _slot(self, table, position):
         return table[position // self.block_size], position % self.block_size
 
-    def run(self, state: sch.SchedulerState, out: sch.SchedulerOutput) -> dict:
+    def run(self, state: scheduler.SchedulerState, out: scheduler.SchedulerOutput) -> dict:
         """Write every entry's tokens' KV (no slot twice), then, as the model's layers do, check
         each entry's context; return a hash of what each sampling entry attends to (its
         'logits'). An entry may thus read blocks another entry of the step writes."""
@@ -99,7 +98,7 @@ class FakeCache:
                 assert stored == kv_value(tokens, position), f"bad KV at {position} for {work}"
         return {work: self._logits(work) for work in out.scheduled if work.do_sample}
 
-    def _logits(self, work: sch.ScheduledGroupWork) -> int:
+    def _logits(self, work: scheduler.ScheduledGroupWork) -> int:
         context = range(work.context_len)
         return hash(tuple(self.device[self._slot(work.block_table, p)] for p in context))
 
@@ -109,7 +108,7 @@ def sample(logits: int, index: int) -> int:
     return hash((logits, index)) % VOCAB
 
 
-def model_actions(state: sch.SchedulerState, logits: dict) -> list:
+def model_actions(state: scheduler.SchedulerState, logits: dict) -> list:
     """Append the sampled token; stop on EOS. Requests named 'beam*' also fork the smallest
     candidate and drop the largest once their sequences have two tokens (content-determined,
     so runs with different pools and timing make the same decisions)."""
@@ -118,26 +117,26 @@ def model_actions(state: sch.SchedulerState, logits: dict) -> list:
         for index, seq_id in enumerate(work.seq_ids):
             candidates.setdefault(work.request_id, []).append((seq_id, sample(row, index), row))
     for request_id, group_candidates in candidates.items():
-        seqs = {seq.seq_id: seq for seq in sch.find_group(state, request_id).seqs}
+        seqs = {seq.seq_id: seq for seq in scheduler.find_group(state, request_id).seqs}
         ranked = sorted(group_candidates, key=lambda c: (seqs[c[0]].token_ids, c[1]))
         beam_step = request_id.startswith("beam") and len(ranked) > 1 and len(
             seqs[ranked[0][0]].output_token_ids
         ) == 2
         for seq_id, token, row in ranked:
             if beam_step and (seq_id, token, row) == ranked[-1]:
-                actions.append(sch.Drop(seq_id))
+                actions.append(scheduler.Drop(seq_id))
                 continue
             if beam_step and (seq_id, token, row) == ranked[0]:
-                actions.append(sch.Fork(seq_id, None, sample(row, 99)))
-            actions.append(sch.Append(seq_id, token))
+                actions.append(scheduler.Fork(seq_id, None, sample(row, 99)))
+            actions.append(scheduler.Append(seq_id, token))
             if token == EOS:
-                actions.append(sch.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
+                actions.append(scheduler.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
     return actions
 
 
-def append_ones(out: sch.SchedulerOutput) -> list:
+def append_ones(out: scheduler.SchedulerOutput) -> list:
     """An Append of token 1 for every sequence `out` samples."""
-    return [sch.Append(seq_id, 1) for w in out.scheduled if w.do_sample for seq_id in w.seq_ids]
+    return [scheduler.Append(seq_id, 1) for w in out.scheduled if w.do_sample for seq_id in w.seq_ids]
 
 
 def outputs_of(group) -> tuple:
@@ -147,18 +146,18 @@ def outputs_of(group) -> tuple:
 
 def serve(config, requests, max_steps=500):
     """Run `requests` (arrival_step, request_id, prompt, num_seqs, max_tokens) to completion."""
-    state, results = sch.initial_state(config), {}
+    state, results = scheduler.initial_state(config), {}
     cache = FakeCache(config.block_manager.block_size)
     for step in range(max_steps):
         for arrival, request_id, prompt, num_seqs, max_tokens in requests:
             if arrival == step:
-                state = sch.add_request(
+                state = scheduler.add_request(
                     state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs,
                     expected_output_len=max_tokens, may_fork=request_id.startswith("beam") and num_seqs > 1,
                 )
-        state, out = sch.schedule(state)
+        state, out = scheduler.schedule(state)
         cache.apply(out)
-        state = sch.update(state, model_actions(state, cache.run(state, out)))
+        state = scheduler.update(state, model_actions(state, cache.run(state, out)))
         results.update((group.request_id, outputs_of(group)) for group in state.finished)
         if len(results) == len(requests) and step >= max((r[0] for r in requests), default=0):
             return results, state

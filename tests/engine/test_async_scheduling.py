@@ -1,4 +1,4 @@
-"""Async scheduling (``engine.lookahead``): the same outputs as without it, steps taken from
+"""Async scheduling (``engine.async_scheduling``): the same outputs as without it, steps taken from
 lookaheads, and nothing lost when the scheduler decides otherwise (ends, aborts, arrivals,
 preemption)."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
-from engine import lookahead, step_sampling
-from engine.scheduler import ScheduledGroupWork
+from engine import LLM, SamplingParams, async_scheduling
+from engine.core.scheduler import ScheduledGroupWork
+from engine.worker import sampling_rows
 from tests.engine.tiny import ENGINE, prompts, tiny_llm
 
 
@@ -36,7 +37,7 @@ def no_block_leaks(llms):
 def _seen(output) -> list:
     """What a user reads of a request's output."""
     return [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob,
-             [sorted((t, round(l.logprob, 5)) for t, l in step.items()) for step in c.logprobs or []])
+             [sorted((t, round(lp.logprob, 5)) for t, lp in step.items()) for step in c.logprobs or []])
             for c in output.outputs]
 
 
@@ -94,8 +95,8 @@ def test_greedy_decodes_take_the_decode_programs_arg_max(llms, monkeypatch):
     on, off, vocab = llms
     sampled_steps = []
     for name in ("dispatch", "dispatch_next"):
-        real = getattr(step_sampling, name)
-        monkeypatch.setattr(step_sampling, name, lambda *args, real=real, **kw: sampled_steps.append(args[0].shape)
+        real = getattr(sampling_rows, name)
+        monkeypatch.setattr(sampling_rows, name, lambda *args, real=real, **kw: sampled_steps.append(args[0].shape)
                             or real(*args, **kw))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     batch = prompts(3, vocab, seed=12)
@@ -250,7 +251,7 @@ def test_the_advanced_inputs_are_those_prepare_makes(llms, rows):
     works = [ScheduledGroupWork("r", (i,), (4 + i,), start, tuple(range(3 * i, 3 * i + 10)), False, True)
              for i, start in enumerate(starts)]
     advanced = runner.advance(runner.prepare(works, range(rows)))
-    wanted = runner.prepare(lookahead.next_works(works), range(rows))
+    wanted = runner.prepare(async_scheduling.next_works(works), range(rows))
     for got, want in zip(jax.tree.leaves(advanced.replace(input_ids=wanted.input_ids)), jax.tree.leaves(wanted)):
         np.testing.assert_array_equal(got, want)
 
@@ -280,7 +281,7 @@ def test_an_orca_reservation_gives_the_same_outputs(tmp_path):
 
 def test_the_server_flag_and_a_bad_value():
     from engine.config import EngineConfig
-    from engine.serve import build_parser, engine_config
+    from engine.entrypoints.server import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args([])).async_scheduling is True
     assert engine_config(build_parser().parse_args(["--no-async-scheduling"])).async_scheduling is False

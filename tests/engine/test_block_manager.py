@@ -4,10 +4,9 @@ import dataclasses
 
 import pytest
 
-from engine import block_manager as bm
-from engine import prefix_cache
-from engine.block_manager import AllocStatus, BlockManagerConfig, ConfigError
-from engine.sequence import Sequence, SequenceGroup
+from engine.core import block_manager, prefix_cache
+from engine.core.block_manager import AllocStatus, BlockManagerConfig, ConfigError
+from engine.core.sequence import Sequence, SequenceGroup
 
 
 def make_config(**overrides) -> BlockManagerConfig:
@@ -35,63 +34,63 @@ def computed(seq: Sequence) -> Sequence:
 
 def test_a_group_shares_its_prompt_blocks():
     group = make_group(range(10), num_seqs=3)
-    state, num_cached = bm.allocate(bm.initial_state(make_config()), group)
+    state, num_cached = block_manager.allocate(block_manager.initial_state(make_config()), group)
     assert num_cached == 0
-    tables = {bm.block_table(state, seq.seq_id) for seq in group.seqs}
+    tables = {block_manager.block_table(state, seq.seq_id) for seq in group.seqs}
     assert tables == {(0, 1, 2)}
     assert state.device.refcounts[:3] == (3, 3, 3)
-    assert bm.num_free_device_blocks(state) == 5
+    assert block_manager.num_free_device_blocks(state) == 5
     for seq in group.seqs:
-        state = bm.free(state, seq.seq_id)
-    assert state.device.refcounts == (0,) * 8 and bm.num_free_device_blocks(state) == 8
+        state = block_manager.free(state, seq.seq_id)
+    assert state.device.refcounts == (0,) * 8 and block_manager.num_free_device_blocks(state) == 8
 
 
 def test_can_allocate_keeps_the_watermark_free():
-    state = bm.initial_state(make_config(num_device_blocks=10, watermark=0.1))
-    assert bm.can_allocate(state, make_group(range(40))) is AllocStatus.NEVER  # 10 blocks
-    assert bm.can_allocate(state, make_group(range(36))) is AllocStatus.OK  # 9 of 10
-    state, _ = bm.allocate(state, make_group(range(20)))  # 5 blocks
-    assert bm.can_allocate(state, make_group(range(17), first_seq_id=1)) is AllocStatus.LATER
-    assert bm.can_allocate(state, make_group(range(16), first_seq_id=1)) is AllocStatus.OK
+    state = block_manager.initial_state(make_config(num_device_blocks=10, watermark=0.1))
+    assert block_manager.can_allocate(state, make_group(range(40))) is AllocStatus.NEVER  # 10 blocks
+    assert block_manager.can_allocate(state, make_group(range(36))) is AllocStatus.OK  # 9 of 10
+    state, _ = block_manager.allocate(state, make_group(range(20)))  # 5 blocks
+    assert block_manager.can_allocate(state, make_group(range(17), first_seq_id=1)) is AllocStatus.LATER
+    assert block_manager.can_allocate(state, make_group(range(16), first_seq_id=1)) is AllocStatus.OK
 
 
 def test_append_slot_takes_a_block_only_when_the_last_is_full():
     seq = Sequence(0, tuple(range(4)))
-    state, _ = bm.allocate(bm.initial_state(make_config()), make_group(seq.prompt_token_ids))
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), make_group(seq.prompt_token_ids))
     seq = grow(seq, 9)
-    state, copy = bm.append_slot(state, seq)
-    assert copy is None and bm.block_table(state, 0) == (0, 1)
-    unchanged, copy = bm.append_slot(state, grow(seq, 9))
+    state, copy = block_manager.append_slot(state, seq)
+    assert copy is None and block_manager.block_table(state, 0) == (0, 1)
+    unchanged, copy = block_manager.append_slot(state, grow(seq, 9))
     assert unchanged is state and copy is None
 
 
 def test_copy_on_write_only_for_shared_blocks():
     group = make_group(range(6), num_seqs=2)
-    state, _ = bm.allocate(bm.initial_state(make_config()), group)
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), group)
     first, second = (grow(seq, 7) for seq in group.seqs)
-    assert bm.can_append_slots(state, dataclasses.replace(group, seqs=(first, second)))
-    state, copy = bm.append_slot(state, first)
+    assert block_manager.can_append_slots(state, dataclasses.replace(group, seqs=(first, second)))
+    state, copy = block_manager.append_slot(state, first)
     assert copy == (1, 2)
-    state, copy = bm.append_slot(state, second)
+    state, copy = block_manager.append_slot(state, second)
     assert copy is None
-    assert bm.block_table(state, 0) == (0, 2) and bm.block_table(state, 1) == (0, 1)
+    assert block_manager.block_table(state, 0) == (0, 2) and block_manager.block_table(state, 1) == (0, 1)
     assert state.device.refcounts[:3] == (2, 1, 1)
 
 
 def test_copy_on_write_counts_the_last_writer_in_place():
     group = make_group(range(6), num_seqs=2)
-    state, _ = bm.allocate(bm.initial_state(make_config(num_device_blocks=3)), group)
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config(num_device_blocks=3)), group)
     grown = dataclasses.replace(group, seqs=tuple(grow(seq, 7) for seq in group.seqs))
-    assert bm.can_append_slots(state, grown)  # one copy, one in-place write: 1 free block is enough
+    assert block_manager.can_append_slots(state, grown)  # one copy, one in-place write: 1 free block is enough
 
 
 def test_fork_shares_every_block_and_free_releases_only_the_child():
     seq = Sequence(0, tuple(range(6)))
-    state, _ = bm.allocate(bm.initial_state(make_config()), make_group(seq.prompt_token_ids))
-    state = bm.fork(state, 0, 5)
-    assert bm.block_table(state, 5) == (0, 1)
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), make_group(seq.prompt_token_ids))
+    state = block_manager.fork(state, 0, 5)
+    assert block_manager.block_table(state, 5) == (0, 1)
     assert state.device.refcounts[:2] == (2, 2)
-    state = bm.free(state, 5)
+    state = block_manager.free(state, 5)
     assert state.device.refcounts[:2] == (1, 1)
 
 
@@ -99,49 +98,49 @@ def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
     """A block appended before any token needs it (the scheduler's reservation ahead) is shared
     by a fork too; the next token's block, not the table's last, is then copied on write."""
     seq = Sequence(0, tuple(range(6)))
-    state, _ = bm.allocate(bm.initial_state(make_config()), make_group(seq.prompt_token_ids))
-    assert bm.can_append_block(state, 0)
-    state = bm.append_block(state, 0)
-    assert bm.block_table(state, 0) == (0, 1, 2)
-    state = bm.fork(state, 0, 5)
-    state, copy = bm.append_slot(state, grow(seq, 7))  # position 6, in block 1, shared
-    assert copy == (1, 3) and bm.block_table(state, 0) == (0, 3, 2)
-    assert bm.block_table(state, 5) == (0, 1, 2) and state.device.refcounts[:4] == (2, 1, 2, 1)
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), make_group(seq.prompt_token_ids))
+    assert block_manager.can_append_block(state, 0)
+    state = block_manager.append_block(state, 0)
+    assert block_manager.block_table(state, 0) == (0, 1, 2)
+    state = block_manager.fork(state, 0, 5)
+    state, copy = block_manager.append_slot(state, grow(seq, 7))  # position 6, in block 1, shared
+    assert copy == (1, 3) and block_manager.block_table(state, 0) == (0, 3, 2)
+    assert block_manager.block_table(state, 5) == (0, 1, 2) and state.device.refcounts[:4] == (2, 1, 2, 1)
     for seq_id in (0, 5):
-        state = bm.free(state, seq_id)
-    assert bm.num_free_device_blocks(state) == 8
+        state = block_manager.free(state, seq_id)
+    assert block_manager.num_free_device_blocks(state) == 8
 
 
 def test_swap_out_and_in_keep_sharing():
     group = make_group(range(6), num_seqs=2)
-    state, _ = bm.allocate(bm.initial_state(make_config()), group)
-    state, _ = bm.append_slot(state, grow(group.seqs[0], 1))
-    assert bm.can_swap_out(state, group)
-    state, pairs = bm.swap_out(state, group)
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), group)
+    state, _ = block_manager.append_slot(state, grow(group.seqs[0], 1))
+    assert block_manager.can_swap_out(state, group)
+    state, pairs = block_manager.swap_out(state, group)
     assert pairs == ((0, 0), (2, 1), (1, 2))
-    assert bm.num_free_device_blocks(state) == 8
+    assert block_manager.num_free_device_blocks(state) == 8
     assert state.host.refcounts[:3] == (2, 1, 1)
-    assert bm.can_swap_in(state, group) is AllocStatus.OK
-    state, pairs = bm.swap_in(state, group)
+    assert block_manager.can_swap_in(state, group) is AllocStatus.OK
+    state, pairs = block_manager.swap_in(state, group)
     assert [host for host, _ in pairs] == [0, 1, 2]
     assert state.device.refcounts.count(0) == 5 and len(state.host.free) == 8
-    assert bm.block_table(state, 0)[0] == bm.block_table(state, 1)[0]
+    assert block_manager.block_table(state, 0)[0] == block_manager.block_table(state, 1)[0]
 
 
 def test_swapping_is_all_or_nothing():
     group = make_group(range(12))
-    state, _ = bm.allocate(bm.initial_state(make_config(num_host_blocks=2)), group)
-    assert not bm.can_swap_out(state, group)
-    small = bm.initial_state(make_config(num_device_blocks=3, num_host_blocks=8))
-    small, _ = bm.allocate(small, group)
-    small, _ = bm.swap_out(small, group)
-    assert bm.can_swap_in(small, group) is AllocStatus.NEVER  # 3 blocks + 1 to grow > 3
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config(num_host_blocks=2)), group)
+    assert not block_manager.can_swap_out(state, group)
+    small = block_manager.initial_state(make_config(num_device_blocks=3, num_host_blocks=8))
+    small, _ = block_manager.allocate(small, group)
+    small, _ = block_manager.swap_out(small, group)
+    assert block_manager.can_swap_in(small, group) is AllocStatus.NEVER  # 3 blocks + 1 to grow > 3
 
 
 def test_stats_count_waste_and_sharing():
     group = make_group(range(6), num_seqs=3)
-    state, _ = bm.allocate(bm.initial_state(make_config()), group)
-    stats = bm.stats(state, {seq.seq_id: 6 for seq in group.seqs})
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config()), group)
+    stats = block_manager.stats(state, {seq.seq_id: 6 for seq in group.seqs})
     assert (stats.device_blocks_used, stats.slots_allocated, stats.tokens_stored) == (2, 8, 6)
     assert stats.blocks_saved_by_sharing == 4
     assert stats.kv_waste == pytest.approx(0.25)
@@ -170,39 +169,39 @@ CACHING = dict(enable_prefix_caching=True)
 def admit_and_compute(state, prompt, seq_id):
     """Allocate a one-sequence request and mark its whole prompt computed."""
     group = make_group(prompt, first_seq_id=seq_id)
-    state, num_cached = bm.allocate(state, group)
-    return bm.mark_computed(state, [computed(group.seqs[0])]), num_cached
+    state, num_cached = block_manager.allocate(state, group)
+    return block_manager.mark_computed(state, [computed(group.seqs[0])]), num_cached
 
 
 def test_prefix_cache_reuses_computed_full_blocks():
-    state, _ = admit_and_compute(bm.initial_state(make_config(**CACHING)), range(10), 0)
-    state, num_cached = bm.allocate(state, make_group(list(range(8)) + [50, 51], first_seq_id=1))
+    state, _ = admit_and_compute(block_manager.initial_state(make_config(**CACHING)), range(10), 0)
+    state, num_cached = block_manager.allocate(state, make_group(list(range(8)) + [50, 51], first_seq_id=1))
     assert num_cached == 8
-    assert bm.block_table(state, 1)[:2] == (0, 1) and state.device.refcounts[:2] == (2, 2)
-    stats = bm.stats(state, {0: 10, 1: 8})
+    assert block_manager.block_table(state, 1)[:2] == (0, 1) and state.device.refcounts[:2] == (2, 2)
+    stats = block_manager.stats(state, {0: 10, 1: 8})
     assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == (2, 4)  # 2 misses, 2 hits
 
 
 def test_prefix_cache_never_reuses_the_block_of_the_last_prompt_token():
-    state, _ = admit_and_compute(bm.initial_state(make_config(**CACHING)), range(8), 0)
-    _, num_cached = bm.allocate(state, make_group(range(8), first_seq_id=1))
+    state, _ = admit_and_compute(block_manager.initial_state(make_config(**CACHING)), range(8), 0)
+    _, num_cached = block_manager.allocate(state, make_group(range(8), first_seq_id=1))
     assert num_cached == 4  # the second block holds token 7, whose logits are needed
 
 
 def test_prefix_cache_ignores_blocks_not_yet_computed():
-    state, _ = bm.allocate(bm.initial_state(make_config(**CACHING)), make_group(range(10)))
-    _, num_cached = bm.allocate(state, make_group(range(10), first_seq_id=1))
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config(**CACHING)), make_group(range(10)))
+    _, num_cached = block_manager.allocate(state, make_group(range(10), first_seq_id=1))
     assert num_cached == 0
 
 
 def test_prefix_cache_finds_blocks_this_step_completes_until_it_is_recorded():
-    state, _ = bm.allocate(bm.initial_state(make_config(**CACHING)), make_group(range(10)))
-    state = bm.mark_scheduled(state, make_group(range(10)).seqs[0], 9)  # tokens 0-8: two full blocks
-    state, num_cached = bm.allocate(state, make_group(list(range(8)) + [7, 7, 7], first_seq_id=1))
-    assert num_cached == 8 and bm.block_table(state, 1)[:2] == bm.block_table(state, 0)[:2]
-    state = bm.mark_computed(state, [])
+    state, _ = block_manager.allocate(block_manager.initial_state(make_config(**CACHING)), make_group(range(10)))
+    state = block_manager.mark_scheduled(state, make_group(range(10)).seqs[0], 9)  # tokens 0-8: two full blocks
+    state, num_cached = block_manager.allocate(state, make_group(list(range(8)) + [7, 7, 7], first_seq_id=1))
+    assert num_cached == 8 and block_manager.block_table(state, 1)[:2] == block_manager.block_table(state, 0)[:2]
+    state = block_manager.mark_computed(state, [])
     assert not state.prefix_cache.scheduled and not state.prefix_cache.by_block
-    _, num_cached = bm.allocate(state, make_group(list(range(8)) + [6, 6], first_seq_id=2))
+    _, num_cached = block_manager.allocate(state, make_group(list(range(8)) + [6, 6], first_seq_id=2))
     assert num_cached == 0  # nothing was marked computed
 
 
@@ -212,58 +211,60 @@ def test_a_block_shared_in_its_step_is_cached_once_when_its_holders_name_its_pre
     B. Recording the step, B chains that next block through the evicted entry and C through a
     new one: the block keeps its first entry, and the cache stays sound."""
     t0, t1 = (1, 2, 3, 4), (5, 6, 7, 8)
-    state = bm.initial_state(make_config(num_device_blocks=6, **CACHING))
+    state = block_manager.initial_state(make_config(num_device_blocks=6, **CACHING))
     a, b = make_group(t0 + (9,)).seqs[0], make_group(t0 + t1 + (9,), first_seq_id=1).seqs[0]
-    state = bm.allocate(bm.allocate(state, make_group(a.token_ids))[0], make_group(b.token_ids, first_seq_id=1))[0]
-    state = bm.mark_computed(state, [computed(a), dataclasses.replace(b, num_computed_tokens=4)])
+    state = block_manager.allocate(state, make_group(a.token_ids))[0]
+    state = block_manager.allocate(state, make_group(b.token_ids, first_seq_id=1))[0]
+    state = block_manager.mark_computed(state, [computed(a), dataclasses.replace(b, num_computed_tokens=4)])
     assert state.prefix_cache.by_block.keys() == {0}  # B's copy of t0, block 2, stays uncached
-    state = bm.free(state, a.seq_id)
-    state, _ = bm.allocate(state, make_group(range(20, 29), first_seq_id=3))  # takes all, evicting block 0
-    state = bm.free(state, 3)
+    state = block_manager.free(state, a.seq_id)
+    state, _ = block_manager.allocate(state, make_group(range(20, 29), first_seq_id=3))  # takes all, evicting block 0
+    state = block_manager.free(state, 3)
     assert not state.prefix_cache.by_block
-    state = bm.mark_scheduled(state, b, b.len)
+    state = block_manager.mark_scheduled(state, b, b.len)
     c = make_group(t0 + t1 + (7,), first_seq_id=2)
-    state, num_cached = bm.allocate(state, c)
-    assert num_cached == 8 and bm.block_table(state, 2)[:2] == bm.block_table(state, 1)[:2] == (2, 3)
-    state = bm.mark_computed(state, [computed(b), computed(c.seqs[0])])
+    state, num_cached = block_manager.allocate(state, c)
+    assert num_cached == 8
+    assert block_manager.block_table(state, 2)[:2] == block_manager.block_table(state, 1)[:2] == (2, 3)
+    state = block_manager.mark_computed(state, [computed(b), computed(c.seqs[0])])
     assert sorted(state.prefix_cache.by_block) == [2, 3]
-    _, num_cached = bm.allocate(state, make_group(t0 + t1 + (6,), first_seq_id=4))
+    _, num_cached = block_manager.allocate(state, make_group(t0 + t1 + (6,), first_seq_id=4))
     assert num_cached in (4, 8)  # block 3 is named through the evicted entry: found or not, never wrong
 
 
 def test_resetting_the_prefix_cache_frees_its_blocks():
-    state, _ = admit_and_compute(bm.initial_state(make_config(num_device_blocks=4, **CACHING)), range(9), 0)
-    state = bm.reset_prefix_cache(bm.free(state, 0))
+    state, _ = admit_and_compute(block_manager.initial_state(make_config(num_device_blocks=4, **CACHING)), range(9), 0)
+    state = block_manager.reset_prefix_cache(block_manager.free(state, 0))
     assert not state.prefix_cache.by_key and sorted(state.device.free) == [0, 1, 2, 3]
-    assert bm.allocate(state, make_group(range(9), first_seq_id=1))[1] == 0
+    assert block_manager.allocate(state, make_group(range(9), first_seq_id=1))[1] == 0
 
 
 def test_prefix_cache_matches_whole_prefixes_not_single_blocks():
-    state, _ = admit_and_compute(bm.initial_state(make_config(**CACHING)), range(10), 0)
-    _, num_cached = bm.allocate(state, make_group([9, 9, 9, 9, 4, 5, 6, 7, 1], first_seq_id=1))
+    state, _ = admit_and_compute(block_manager.initial_state(make_config(**CACHING)), range(10), 0)
+    _, num_cached = block_manager.allocate(state, make_group([9, 9, 9, 9, 4, 5, 6, 7, 1], first_seq_id=1))
     assert num_cached == 0
 
 
 def test_prefix_cache_verifies_tokens_on_a_hash_collision():
     assert hash((None, (-1,) * 4)) == hash((None, (-2,) * 4))  # CPython: hash(-1) == hash(-2)
-    state, _ = admit_and_compute(bm.initial_state(make_config(**CACHING)), [-1] * 4 + [3], 0)
-    _, num_cached = bm.allocate(state, make_group([-2] * 4 + [3], first_seq_id=1))
+    state, _ = admit_and_compute(block_manager.initial_state(make_config(**CACHING)), [-1] * 4 + [3], 0)
+    _, num_cached = block_manager.allocate(state, make_group([-2] * 4 + [3], first_seq_id=1))
     assert num_cached == 0
 
 
 def test_unreferenced_cached_blocks_are_free_and_evicted_least_recently_used():
-    state = bm.initial_state(make_config(num_device_blocks=4, **CACHING))
+    state = block_manager.initial_state(make_config(num_device_blocks=4, **CACHING))
     state, _ = admit_and_compute(state, [1] * 4 + [0], 0)
     state, _ = admit_and_compute(state, [2] * 4 + [0], 1)
-    state = bm.free(bm.free(state, 0), 1)  # blocks 0 then 2 become evictable
-    assert bm.num_free_device_blocks(state) == 4
+    state = block_manager.free(block_manager.free(state, 0), 1)  # blocks 0 then 2 become evictable
+    assert block_manager.num_free_device_blocks(state) == 4
     assert state.prefix_cache.evictable == (0, 2)
-    state, _ = bm.allocate(state, make_group(range(12), first_seq_id=2))  # 3 blocks: evicts 0
-    assert set(bm.block_table(state, 2)) == {1, 3, 0}
+    state, _ = block_manager.allocate(state, make_group(range(12), first_seq_id=2))  # 3 blocks: evicts 0
+    assert set(block_manager.block_table(state, 2)) == {1, 3, 0}
     assert not prefix_cache.is_cached(state.prefix_cache, 0)
-    assert not bm.can_append_block(state, 2)  # only the cached block 2 is left: kept for hits
-    state = bm.free(state, 2)
-    _, num_cached = bm.allocate(state, make_group([2] * 4 + [0], first_seq_id=3))
+    assert not block_manager.can_append_block(state, 2)  # only the cached block 2 is left: kept for hits
+    state = block_manager.free(state, 2)
+    _, num_cached = block_manager.allocate(state, make_group([2] * 4 + [0], first_seq_id=3))
     assert num_cached == 4
-    _, num_cached = bm.allocate(state, make_group([1] * 4 + [0], first_seq_id=3))
+    _, num_cached = block_manager.allocate(state, make_group([1] * 4 + [0], first_seq_id=3))
     assert num_cached == 0

@@ -4,11 +4,11 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from engine import block_manager as bm
-from engine import buddy, serve
-from engine.block_manager import AllocStatus
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceGroup
+from engine.core import block_manager, buddy
+from engine.core.block_manager import AllocStatus
+from engine.core.sequence import Sequence, SequenceGroup
+from engine.entrypoints import server
 
 
 def test_order_rounds_up_to_a_power_of_two():
@@ -53,7 +53,7 @@ def test_find_run_returns_an_aligned_free_run_whenever_one_exists(num_blocks, da
 def config(**overrides):
     settings = dict(block_size=4, num_device_blocks=16, num_host_blocks=8, max_model_len=64,
                     watermark=0.0, reservation="orca-oracle")
-    return bm.BlockManagerConfig(**(settings | overrides))
+    return block_manager.BlockManagerConfig(**(settings | overrides))
 
 
 def group(request_id, prompt_len, output_len, first_seq_id=0, num_seqs=1):
@@ -69,42 +69,42 @@ def held(state, seq_id) -> tuple[int, ...]:
 
 def test_an_orca_request_gets_one_aligned_run_rounded_up_to_a_power_of_two():
     """Prompt 10 + output 10 = 5 blocks of 4 slots: the buddy allocator hands out 8."""
-    state, _ = bm.allocate(bm.initial_state(config()), group("a", 10, 10))
+    state, _ = block_manager.allocate(block_manager.initial_state(config()), group("a", 10, 10))
     assert held(state, 0) == tuple(range(8))
-    assert bm.block_table(state, 0) == (0, 1, 2)
-    assert bm.num_free_device_blocks(state) == 8
+    assert block_manager.block_table(state, 0) == (0, 1, 2)
+    assert block_manager.num_free_device_blocks(state) == 8
 
 
 def test_an_orca_request_waits_for_a_free_run_even_when_enough_blocks_are_free():
-    state = bm.initial_state(config())
+    state = block_manager.initial_state(config())
     for i in range(4):  # four runs of 4 blocks: 0-3, 4-7, 8-11, 12-15
-        state, _ = bm.allocate(state, group(f"r{i}", 8, 4, first_seq_id=i))
-    state = bm.free(bm.free(state, 0), 2)  # blocks 0-3 and 8-11 free, not buddies
+        state, _ = block_manager.allocate(state, group(f"r{i}", 8, 4, first_seq_id=i))
+    state = block_manager.free(block_manager.free(state, 0), 2)  # blocks 0-3 and 8-11 free, not buddies
     big = group("big", 12, 12, first_seq_id=9)  # 6 blocks -> a run of 8
-    assert bm.num_free_device_blocks(state) == 8
-    assert bm.can_allocate(state, big) is AllocStatus.LATER
-    state = bm.free(state, 1)  # 0-7 merge into one free buddy
-    assert bm.can_allocate(state, big) is AllocStatus.OK
-    state, _ = bm.allocate(state, big)
+    assert block_manager.num_free_device_blocks(state) == 8
+    assert block_manager.can_allocate(state, big) is AllocStatus.LATER
+    state = block_manager.free(state, 1)  # 0-7 merge into one free buddy
+    assert block_manager.can_allocate(state, big) is AllocStatus.OK
+    state, _ = block_manager.allocate(state, big)
     assert held(state, 9) == tuple(range(8))
 
 
 def test_an_orca_request_larger_than_any_run_of_the_pool_never_fits():
-    state = bm.initial_state(config(num_device_blocks=12))
-    assert bm.can_allocate(state, group("a", 20, 20)) is AllocStatus.NEVER  # 10 blocks -> 16
-    assert bm.can_allocate(state, group("b", 16, 16)) is AllocStatus.OK  # 8 blocks
+    state = block_manager.initial_state(config(num_device_blocks=12))
+    assert block_manager.can_allocate(state, group("a", 20, 20)) is AllocStatus.NEVER  # 10 blocks -> 16
+    assert block_manager.can_allocate(state, group("b", 16, 16)) is AllocStatus.OK  # 8 blocks
 
 
 def test_orca_sequences_of_a_group_each_get_a_run_and_free_returns_every_block():
     g = group("g", 6, 6, num_seqs=2)  # shared prompt 2 blocks; each sequence reserves 1 more
-    state, _ = bm.allocate(bm.initial_state(config()), g)
-    assert bm.block_table(state, 0) == bm.block_table(state, 1) == (0, 1)
+    state, _ = block_manager.allocate(block_manager.initial_state(config()), g)
+    assert block_manager.block_table(state, 0) == block_manager.block_table(state, 1) == (0, 1)
     assert state.seqs[0].reserved == (2, 3)  # shared 2 + reserved 1 -> a run of 4
     assert state.seqs[1].reserved == (4,)  # from the smallest free buddy, 4-7, not from 8-15
     for seq in g.seqs:
-        state = bm.free(state, seq.seq_id)
-    assert bm.num_free_device_blocks(state) == 16
-    assert bm.can_allocate(state, group("all", 32, 32)) is AllocStatus.OK  # one run of 16 again
+        state = block_manager.free(state, seq.seq_id)
+    assert block_manager.num_free_device_blocks(state) == 16
+    assert block_manager.can_allocate(state, group("all", 32, 32)) is AllocStatus.OK  # one run of 16 again
 
 
 def test_an_orca_baseline_with_prefix_caching_is_refused_before_loading_a_model():
@@ -119,4 +119,4 @@ def test_prefix_caching_is_on_by_default_except_for_the_orca_baselines():
     assert not EngineConfig(model="unused", enable_prefix_caching=False).prefix_caching
     assert not EngineConfig(model="unused", reservation="orca-max").prefix_caching
     for flag, on in (([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)):
-        assert serve.engine_config(serve.build_parser().parse_args(flag)).prefix_caching is on
+        assert server.engine_config(server.build_parser().parse_args(flag)).prefix_caching is on

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pallas_paged
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 
 SPEC = pallas_paged.KVCacheSpec(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
 

@@ -1,4 +1,4 @@
-"""The engine's weights and KV cache on 2 MiB pages (engine.huge_pages)."""
+"""The engine's weights and KV cache on 2 MiB pages (engine.worker.huge_pages)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import SamplingParams, huge_pages
+from engine import SamplingParams
+from engine.worker import huge_pages
 from tests.engine.tiny import tiny_llm
 
 
@@ -85,6 +86,7 @@ def test_the_engine_backs_its_weights_and_cache_and_still_generates_the_same_tok
                 thread.join(timeout=60)
                 assert not thread.is_alive()
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outputs[setting] = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4], [5, 6]], params, use_tqdm=False)]
+        generated = llm.generate([[1, 2, 3, 4], [5, 6]], params, use_tqdm=False)
+        outputs[setting] = [o.outputs[0].token_ids for o in generated]
         assert [array.unsafe_buffer_pointer() for array in jax.tree.leaves(cache.kv_caches)] == addresses
     assert outputs["1"] == outputs["0"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from engine import SamplingParams, programs
+from engine import SamplingParams
+from engine.worker import stages
 from tests.engine.tiny import prompts, tiny_llm
 
 
@@ -22,7 +23,7 @@ def test_bfloat16_cache_programs_need_no_cache_sized_scratch(tmp_path):
                  use_tqdm=False)
     cache = llm.engine.cache
     cache_bytes = cache.kv_caches[0][0].nbytes
-    layers = [program for key, program in programs._compiled.items()
+    layers = [program for key, program in stages._compiled.items()
               if key[0] == "layer" and key[1] == llm.engine.model_config]
     assert layers, "the generate call compiled layer programs"
     ids = cache._device_ids([1, 2])

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from engine import kv_cache_size, step_sampling
 from engine.config import EngineConfig
-from engine.serve import build_parser, engine_config
-from engine.kv_cache_size import DeviceMemory, by_utilization, choose
+from engine.entrypoints.server import build_parser, engine_config
+from engine.worker import kv_cache_size, sampling_rows
+from engine.worker.kv_cache_size import DeviceMemory, by_utilization, choose
 from tests.engine.tiny import tiny_llm
 
 GIB = 2**30
@@ -54,7 +54,8 @@ def test_no_room_left_is_a_clear_error():
 
 @pytest.mark.parametrize("value", [0, 1.5, "0.9"])
 def test_a_utilization_outside_0_to_1_is_refused(value):
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a fraction of the device's memory in \(0, 1\]"):
+    expected = r"gpu_memory_utilization must be a fraction of the device's memory in \(0, 1\]"
+    with pytest.raises(ValueError, match=expected):
         EngineConfig(gpu_memory_utilization=value)
 
 
@@ -89,7 +90,7 @@ def test_engine_on_a_device_with_a_memory_limit_sizes_its_pool_by_utilization(tm
     engine, runner = llm.engine, llm.engine.runner
     model = runner.activation_bytes(engine.cache.kv_caches)
     assert model > 512 * engine.model_config.hidden_size * 4  # at least the largest step's hidden states
-    sampler = step_sampling.activation_bytes(engine.model_config.vocab_size, max(runner.logits_sizes()))
+    sampler = sampling_rows.activation_bytes(engine.model_config.vocab_size, max(runner.logits_sizes()))
     assert sampler > max(runner.logits_sizes()) * engine.model_config.vocab_size * 4  # at least its logits
     free = 32 * 2**20 - weights - model - sampler
     assert engine.cache.spec.num_blocks == free // engine.cache.spec.bytes_per_block

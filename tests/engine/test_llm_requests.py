@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.scheduler import InvalidRequestError
+from engine.core.scheduler import InvalidRequestError
 from tests.engine.tiny import prompts, tiny_llm
 from tests.hf_torch import load_hf_model, next_token_logprobs
 
@@ -51,7 +51,8 @@ def test_too_long_prompt_fails_alone_with_the_limit_in_the_message(llm_and_confi
     llm, config = llm_and_config
     ok = prompts(2, config.vocab_size, seed=9)
     outputs = llm.generate([ok[0], list(range(3, 3 + 200)), ok[1]], SamplingParams(max_tokens=5), use_tqdm=False)
-    assert outputs[1].error is not None and "200 tokens" in outputs[1].error and "max_model_len is 128" in outputs[1].error
+    error = outputs[1].error
+    assert error is not None and "200 tokens" in error and "max_model_len is 128" in error
     assert outputs[1].finished and not outputs[1].outputs
     assert all(len(o.outputs[0].token_ids) == 5 for o in (outputs[0], outputs[2]))
 

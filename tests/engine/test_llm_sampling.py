@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 import scipy.special
 import scipy.stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import jax.numpy as jnp
 from engine import BeamSearchParams, Logprob, SamplingParams
-from engine import step_sampling
 from engine.config import EngineConfig
-from engine.requests import RequestState, SeqProgress
-from engine.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
+from engine.request_state import RequestState, SeqProgress
+from engine.worker import sampling_rows
+from engine.worker.sampler import SamplingBatch, apply_penalties, argmax, inverse_cdf, truncate
 from tests.engine.tiny import prompts, tiny_llm
 from tests.hf_torch import load_hf_model, next_token_logprobs, require_torch
 
@@ -207,9 +208,9 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
 
 def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
     """vLLM's order: top-p measures the probability left after top-k and min-p, renormalised
-    (HF's too for top-k; HF applies min-p after top-p). Here the top two tokens hold 0.40 and 0.35 of the whole vocabulary; of
-    those two, the first alone holds 0.53, so top_p 0.5 after top_k 2 keeps only it (of the
-    whole vocabulary it would need both)."""
+    (HF's too for top-k; HF applies min-p after top-p). Here the top two tokens hold 0.40 and
+    0.35 of the whole vocabulary; of those two, the first alone holds 0.53, so top_p 0.5 after
+    top_k 2 keeps only it (of the whole vocabulary it would need both)."""
     probs = np.array([0.40, 0.35, 0.10, 0.08, 0.07], np.float32)
     rows = 4
     logits = jnp.asarray(np.log(np.stack([probs] * rows)))
@@ -460,13 +461,13 @@ def test_the_head_may_skip_exact_logits_only_when_the_sampler_takes_the_arg_max(
     """A step whose rows are all plain greedy lets the head compute exactly only the logits that
     can be largest (``Metadata.argmax_rows``); any penalty, bias, banned or allowed token,
     temperature or log-probability needs them all. The sampler's own switches agree."""
-    rows = [step_sampling.Row(0, _request(params, generated, bad_word_ids), 0)]
-    assert step_sampling.argmax_suffices(rows) is suffices
-    batch = step_sampling.batch_for(rows, 0, 64)
+    rows = [sampling_rows.Row(0, _request(params, generated, bad_word_ids), 0)]
+    assert sampling_rows.argmax_suffices(rows) is suffices
+    batch = sampling_rows.batch_for(rows, 0, 64)
     plain = (batch.all_greedy and not batch.penalties and not batch.logprobs and not batch.ranks
              and not batch.num_top_logprobs and not batch.banned.shape[1] and not batch.bias_tokens.shape[1]
              and not batch.allowed.shape[1])
     assert plain is suffices
-    assert not step_sampling.argmax_suffices(rows + [step_sampling.Row(0, _request(SamplingParams(temperature=0.8)),
+    assert not sampling_rows.argmax_suffices(rows + [sampling_rows.Row(0, _request(SamplingParams(temperature=0.8)),
                                                                        0)])
-    assert not step_sampling.argmax_suffices([])
+    assert not sampling_rows.argmax_suffices([])

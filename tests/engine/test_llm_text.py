@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
-from engine.requests import RequestState, SeqProgress
+from engine.request_state import RequestState, SeqProgress
 from tests.engine.test_llm_parity import COMMON, CONFIGS
 from tests.hf_torch import require_torch
 
@@ -106,8 +106,8 @@ def test_stop_rules_wait_for_min_tokens_and_can_keep_the_stop_text(llm):
     by_token = by_token.outputs[0]
     assert by_token.stop_reason == stop_token and by_token.token_ids == free.token_ids[:3]
     assert by_token.text == tokenizer.decode(free.token_ids[:2])
-    kept = llm.generate([prompt], SamplingParams(**greedy, stop_token_ids=[stop_token], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    keep = SamplingParams(**greedy, stop_token_ids=[stop_token], include_stop_str_in_output=True)
+    kept = llm.generate([prompt], keep, use_tqdm=False)[0].outputs[0]
     assert kept.text == tokenizer.decode(free.token_ids[:3])
 
 

@@ -1,4 +1,5 @@
-"""The engine on tiny random LLaMA-family (LLaMA, Qwen2, Mistral) and OPT models against Hugging Face: greedy and beam search."""
+"""The engine on tiny random LLaMA-family (LLaMA, Qwen2, Mistral) and OPT models against
+Hugging Face: greedy and beam search."""
 
 from __future__ import annotations
 

@@ -5,9 +5,8 @@ import dataclasses
 
 import pytest
 
-from engine import block_manager as bm
-from engine import scheduler as sch
-from engine.sequence import SequenceStatus
+from engine.core import block_manager, scheduler
+from engine.core.sequence import SequenceStatus
 from tests.engine.fake_engine import VOCAB, append_ones, make_config, serve
 
 SYSTEM_PROMPT = (5, 6, 7, 8, 9, 10)
@@ -41,7 +40,7 @@ def test_preempted_requests_resume_exactly(preemption_mode, prefix_caching):
         assert state.num_swap_outs > 0
     if prefix_caching:
         assert state.blocks.prefix_cache.num_hits > 0
-    assert bm.num_free_device_blocks(state.blocks) == 18
+    assert block_manager.num_free_device_blocks(state.blocks) == 18
 
 
 def test_requests_admitted_together_compute_their_common_full_blocks_once():
@@ -51,26 +50,26 @@ def test_requests_admitted_together_compute_their_common_full_blocks_once():
     prompt = (*SYSTEM_PROMPT, 11, 12, 13)  # two full blocks of 4 shared, then private tokens
     requests = [(0, f"req{i}", prompt[: 8 + i % 2] + (i + 1,), 1 + i % 2, 5) for i in range(4)]
     config = make_config(prefix_caching=True)
-    state = requests_added(sch.initial_state(config), requests)
-    state, out = sch.schedule(state)
+    state = requests_added(scheduler.initial_state(config), requests)
+    state, out = scheduler.schedule(state)
     first, *others = out.scheduled
     assert (first.start, len(first.token_ids)) == (0, 9)
     for work in others:
         assert work.start == 8 and work.block_table[:2] == first.block_table[:2]
     assert state.blocks.device.refcounts[first.block_table[0]] == sum(num_seqs for *_, num_seqs, _ in requests)
-    state = sch.update(state, append_ones(out))
+    state = scheduler.update(state, append_ones(out))
     assert not state.blocks.prefix_cache.scheduled
     assert state.blocks.prefix_cache.num_hits == 2 * len(others)
-    assert sch.reset_prefix_cache(state) is None, "running requests hold cached blocks"
+    assert scheduler.reset_prefix_cache(state) is None, "running requests hold cached blocks"
 
     results, state = serve(config, requests)
     assert results == serve(make_config(prefix_caching=False), requests)[0]
-    assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+    assert block_manager.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
 
 
 def requests_added(state, requests):
     for _, request_id, prompt, num_seqs, max_tokens in requests:
-        state = sch.add_request(state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs)
+        state = scheduler.add_request(state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs)
     return state
 
 
@@ -81,28 +80,28 @@ def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
     block comes back."""
     requests = [(0, "a", (1, 2, 3, 4, 5), 1, 9)]
     config = make_config(block_size=4, reserve_next_block=True)
-    state = requests_added(sch.initial_state(config), requests)
+    state = requests_added(scheduler.initial_state(config), requests)
     tables = []
     while state.running or state.waiting:
-        state, out = sch.schedule(state)
+        state, out = scheduler.schedule(state)
         tables += [(work.context_len, len(work.block_table)) for work in out.scheduled if not work.is_prefill]
-        state = sch.update(state, append_ones(out))
+        state = scheduler.update(state, append_ones(out))
     # Context 8: the next token (position 8) opens a third block, taken now.
     assert tables == [(6, 2), (7, 2), (8, 3), (9, 3), (10, 3), (11, 3), (12, 4), (13, 4)]
-    assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+    assert block_manager.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
     assert serve(config, requests)[0] == serve(make_config(block_size=4), requests)[0]
 
-    last = requests_added(sch.initial_state(config), [(0, "a", (1, 2, 3, 4, 5), 1, 4)])
+    last = requests_added(scheduler.initial_state(config), [(0, "a", (1, 2, 3, 4, 5), 1, 4)])
     for _ in range(4):
-        last, out = sch.schedule(last)
-        last = sch.update(last, append_ones(out))
+        last, out = scheduler.schedule(last)
+        last = scheduler.update(last, append_ones(out))
     assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # its last token
 
-    waiting = requests_added(sch.initial_state(dataclasses.replace(config, max_num_seqs=1)),
+    waiting = requests_added(scheduler.initial_state(dataclasses.replace(config, max_num_seqs=1)),
                              requests + [(0, "b", (1, 2), 1, 3)])
     for _ in range(4):
-        waiting, out = sch.schedule(waiting)
-        waiting = sch.update(waiting, append_ones(out))
+        waiting, out = scheduler.schedule(waiting)
+        waiting = scheduler.update(waiting, append_ones(out))
     assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # "b" waits
 
 
@@ -113,15 +112,15 @@ def test_parallel_samples_reserve_their_next_blocks_and_beams_do_not():
     config = make_config(block_size=4, reserve_next_block=True)
 
     def tables(may_fork):
-        state = sch.add_request(sch.initial_state(config), "a", (1, 2, 3, 4, 5), max_tokens=6, num_seqs=2,
+        state = scheduler.add_request(scheduler.initial_state(config), "a", (1, 2, 3, 4, 5), max_tokens=6, num_seqs=2,
                                 may_fork=may_fork)
         seen = []
         while state.running or state.waiting:
-            state, out = sch.schedule(state)
+            state, out = scheduler.schedule(state)
             seen += [(work.seq_ids, work.context_len, work.block_table) for work in out.scheduled
                      if not work.is_prefill]
-            state = sch.update(state, append_ones(out))
-        assert bm.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
+            state = scheduler.update(state, append_ones(out))
+        assert block_manager.num_free_device_blocks(state.blocks) == config.block_manager.num_device_blocks
         return seen
 
     assert [(seq_ids, context, len(table)) for seq_ids, context, table in tables(may_fork=False)] == [
@@ -139,13 +138,13 @@ def test_a_step_without_admissions_leaves_arrivals_waiting():
     even though the new request fits, and reserves no block ahead while it waits; the next
     step admits it."""
     config = make_config(block_size=4, reserve_next_block=True)
-    state, out = sch.schedule(requests_added(sch.initial_state(config), [(0, "a", (1, 2, 3), 1, 9)]))
-    state = requests_added(sch.update(state, append_ones(out)), [(0, "b", (4, 5), 1, 3)])
-    deferred, out = sch.schedule(state, admit=False)  # a's next token opens its second block
+    state, out = scheduler.schedule(requests_added(scheduler.initial_state(config), [(0, "a", (1, 2, 3), 1, 9)]))
+    state = requests_added(scheduler.update(state, append_ones(out)), [(0, "b", (4, 5), 1, 3)])
+    deferred, out = scheduler.schedule(state, admit=False)  # a's next token opens its second block
     assert [(work.request_id, work.is_prefill, len(work.block_table)) for work in out.scheduled] == [("a", False, 1)]
     assert [group.request_id for group in deferred.waiting] == ["b"]
-    deferred = sch.update(deferred, append_ones(out))
-    admitted, out = sch.schedule(deferred)
+    deferred = scheduler.update(deferred, append_ones(out))
+    admitted, out = scheduler.schedule(deferred)
     assert [(work.request_id, work.is_prefill) for work in out.scheduled] == [("a", False), ("b", True)]
     assert not admitted.waiting
 
@@ -158,10 +157,10 @@ def test_the_same_calls_give_equal_states():
 def run_until(state, condition, max_steps=20):
     """Schedule and append sampled tokens until `condition(state)` holds right after schedule()."""
     for _ in range(max_steps):
-        state, out = sch.schedule(state)
+        state, out = scheduler.schedule(state)
         if condition(state):
             return state
-        state = sch.update(state, append_ones(out))
+        state = scheduler.update(state, append_ones(out))
     raise AssertionError("condition never held")
 
 
@@ -171,8 +170,8 @@ def test_abort_frees_everything_wherever_the_request_is(where):
         num_device_blocks=3, num_host_blocks=8, max_num_batched_tokens=4, max_num_seqs=4,
         preemption_mode="swap",
     )
-    state = sch.add_request(sch.initial_state(config), "pair", range(7), max_tokens=8, num_seqs=2)
-    state = sch.add_request(state, "single", range(3), max_tokens=8)
+    state = scheduler.add_request(scheduler.initial_state(config), "pair", range(7), max_tokens=8, num_seqs=2)
+    state = scheduler.add_request(state, "single", range(3), max_tokens=8)
     reached = {
         "waiting": lambda s: True,
         "mid-chunk": lambda s: s.running and s.running[0].in_prefill,
@@ -181,34 +180,34 @@ def test_abort_frees_everything_wherever_the_request_is(where):
     }[where]
     state = run_until(state, reached)
     target = {"swapped": "single"}.get(where, "pair")
-    state = sch.abort(state, target)
+    state = scheduler.abort(state, target)
     assert {seq.status for seq in state.finished[-1].seqs} == {SequenceStatus.FINISHED_ABORTED}
     for other in [group.request_id for group in state.waiting + state.running + state.swapped]:
-        state = sch.abort(state, other)
-    assert bm.num_free_device_blocks(state.blocks) == 3 and len(state.blocks.host.free) == 8
-    assert sch.abort(state, "pair") == state
+        state = scheduler.abort(state, other)
+    assert block_manager.num_free_device_blocks(state.blocks) == 3 and len(state.blocks.host.free) == 8
+    assert scheduler.abort(state, "pair") == state
 
 
 def test_engine_misuse_is_reported():
-    state = sch.initial_state(make_config())
-    state = sch.add_request(state, "a", range(4), max_tokens=4, num_seqs=2)
-    with pytest.raises(sch.SchedulerUsageError, match="call it first"):
-        sch.update(state, [])
-    state, _ = sch.schedule(state)
-    with pytest.raises(sch.SchedulerUsageError, match="update"):
-        sch.schedule(state)
+    state = scheduler.initial_state(make_config())
+    state = scheduler.add_request(state, "a", range(4), max_tokens=4, num_seqs=2)
+    with pytest.raises(scheduler.SchedulerUsageError, match="call it first"):
+        scheduler.update(state, [])
+    state, _ = scheduler.schedule(state)
+    with pytest.raises(scheduler.SchedulerUsageError, match="update"):
+        scheduler.schedule(state)
     misuse = {
-        "need an Append": [sch.Append(0, 1)],
-        "several Appends": [sch.Append(0, 1), sch.Append(0, 2), sch.Append(1, 1)],
-        "grow": [sch.Fork(0, None, 3), sch.Append(0, 1), sch.Append(1, 1)],
-        "not sampled": [sch.Append(7, 1), sch.Append(0, 1), sch.Append(1, 1)],
-        "FINISHED_": [sch.Append(0, 1), sch.Finish(1, SequenceStatus.RUNNING)],
-        "in use": [sch.Fork(0, 1, 3), sch.Drop(0), sch.Append(1, 1)],
-        "lose all": [sch.Drop(0), sch.Drop(1)],
+        "need an Append": [scheduler.Append(0, 1)],
+        "several Appends": [scheduler.Append(0, 1), scheduler.Append(0, 2), scheduler.Append(1, 1)],
+        "grow": [scheduler.Fork(0, None, 3), scheduler.Append(0, 1), scheduler.Append(1, 1)],
+        "not sampled": [scheduler.Append(7, 1), scheduler.Append(0, 1), scheduler.Append(1, 1)],
+        "FINISHED_": [scheduler.Append(0, 1), scheduler.Finish(1, SequenceStatus.RUNNING)],
+        "in use": [scheduler.Fork(0, 1, 3), scheduler.Drop(0), scheduler.Append(1, 1)],
+        "lose all": [scheduler.Drop(0), scheduler.Drop(1)],
     }
     for message, actions in misuse.items():
-        with pytest.raises(sch.SchedulerUsageError, match=message):
-            sch.update(state, actions)
+        with pytest.raises(scheduler.SchedulerUsageError, match=message):
+            scheduler.update(state, actions)
 
 
 @pytest.mark.parametrize(
@@ -222,18 +221,18 @@ def test_engine_misuse_is_reported():
     ],
 )
 def test_bad_requests_say_what_to_change(prompt, kwargs, message):
-    state = sch.add_request(sch.initial_state(make_config()), "dup", (1,), max_tokens=1)
-    with pytest.raises(sch.InvalidRequestError, match=message):
-        sch.add_request(state, kwargs.pop("request_id", "new"), prompt, **kwargs)
-    oracle = sch.initial_state(make_config(reservation="orca-oracle"))
-    with pytest.raises(sch.InvalidRequestError, match="expected_output_len"):
-        sch.add_request(oracle, "r", (1,), max_tokens=1)
+    state = scheduler.add_request(scheduler.initial_state(make_config()), "dup", (1,), max_tokens=1)
+    with pytest.raises(scheduler.InvalidRequestError, match=message):
+        scheduler.add_request(state, kwargs.pop("request_id", "new"), prompt, **kwargs)
+    oracle = scheduler.initial_state(make_config(reservation="orca-oracle"))
+    with pytest.raises(scheduler.InvalidRequestError, match="expected_output_len"):
+        scheduler.add_request(oracle, "r", (1,), max_tokens=1)
 
 
 def test_bad_scheduler_config_says_what_to_change():
-    with pytest.raises(bm.ConfigError, match="max_num_batched_tokens"):
+    with pytest.raises(block_manager.ConfigError, match="max_num_batched_tokens"):
         make_config(max_num_batched_tokens=4, max_num_seqs=8)
-    with pytest.raises(bm.ConfigError, match="max_model_len"):
-        sch.SchedulerConfig(
+    with pytest.raises(block_manager.ConfigError, match="max_model_len"):
+        scheduler.SchedulerConfig(
             max_num_batched_tokens=256, max_model_len=9, block_manager=make_config().block_manager
         )

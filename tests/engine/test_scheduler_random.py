@@ -14,9 +14,8 @@ import hypothesis.strategies as st
 from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine import block_manager as bm
-from engine import scheduler as sch
-from engine.sequence import SequenceStatus
+from engine.core import block_manager, scheduler
+from engine.core.sequence import SequenceStatus
 from tests.engine.fake_engine import FakeCache, make_config, sample, serve
 
 SETTINGS = settings.get_profile(os.environ.get("ENGINE_HYPOTHESIS_PROFILE", "engine"))
@@ -72,7 +71,7 @@ def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
             assert outputs == expected[request_id]
 
 
-def draw_actions(data, state: sch.SchedulerState, logits: dict) -> list:
+def draw_actions(data, state: scheduler.SchedulerState, logits: dict) -> list:
     """Random sampler decisions; a fork only replaces a sequence that ended before it, and a
     request keeps at least one sequence."""
     actions, room = [], collections.Counter()
@@ -82,22 +81,22 @@ def draw_actions(data, state: sch.SchedulerState, logits: dict) -> list:
             token = sample(row, index)
             kind = data.draw(st.sampled_from(["append"] * 20 + ["stop", "drop", "fork", "fork"]))
             if kind == "drop" and kept[work.request_id] > 1:
-                actions.append(sch.Drop(seq_id))
+                actions.append(scheduler.Drop(seq_id))
                 room[work.request_id] += 1
                 kept[work.request_id] -= 1
                 continue
             if kind == "fork" and room[work.request_id] > 0:
-                actions.append(sch.Fork(seq_id, None, sample(row, 99)))
+                actions.append(scheduler.Fork(seq_id, None, sample(row, 99)))
                 room[work.request_id] -= 1
                 kept[work.request_id] += 1
-            actions.append(sch.Append(seq_id, token))
+            actions.append(scheduler.Append(seq_id, token))
             if kind == "stop":
-                actions.append(sch.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
+                actions.append(scheduler.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
                 room[work.request_id] += 1
     return actions
 
 
-def check_blocks(state: sch.SchedulerState) -> None:
+def check_blocks(state: scheduler.SchedulerState) -> None:
     """Refcounts match the block tables; every block is free xor referenced; queues agree
     with where each sequence's blocks are."""
     blocks, size = state.blocks, state.config.block_manager.block_size
@@ -128,12 +127,12 @@ def check_blocks(state: sch.SchedulerState) -> None:
         assert arrivals == sorted(arrivals)
         assert all(seq.status.name == status for group in queue for seq in group.unfinished_seqs)
     if not (state.waiting or state.running or state.swapped):
-        assert bm.num_free_device_blocks(blocks) == len(blocks.device.refcounts)
+        assert block_manager.num_free_device_blocks(blocks) == len(blocks.device.refcounts)
         assert len(blocks.host.free) == len(blocks.host.refcounts)
 
 
 def check_plan(
-    before: sch.SchedulerState, after: sch.SchedulerState, out: sch.SchedulerOutput
+    before: scheduler.SchedulerState, after: scheduler.SchedulerState, out: scheduler.SchedulerOutput
 ) -> None:
     """Budgets hold, admission is FCFS, and only unshared blocks (or blocks shared exactly by
     the sequences of one prefill entry) receive tokens, except full blocks the entry completes,
@@ -154,7 +153,7 @@ def check_plan(
             shared = refcounts[block] > len(work.seq_ids)
             assert refcounts[block] >= len(work.seq_ids) and (completed or not shared), f"shared block {block} written"
         for seq_id in work.seq_ids:
-            assert bm.block_table(after.blocks, seq_id)[: len(work.block_table)] == work.block_table
+            assert block_manager.block_table(after.blocks, seq_id)[: len(work.block_table)] == work.block_table
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -163,7 +162,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(config=configs(), initial=st.lists(requests(), min_size=2, max_size=6))
     def start(self, config, initial):
         self.config = config
-        self.state = sch.initial_state(config)
+        self.state = scheduler.initial_state(config)
         self.cache = FakeCache(config.block_manager.block_size)
         self.calls, self.states = [], []
         self.add(initial)
@@ -180,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 expected_output_len=expected, may_fork=may_fork,
             )
             call = ("add", f"r{len(self.calls)}", prompt, kwargs)
-            self._record(call, sch.add_request(self.state, call[1], call[2], **call[3]))
+            self._record(call, scheduler.add_request(self.state, call[1], call[2], **call[3]))
 
     @rule(data=st.data(), new=st.lists(requests(), max_size=3), num_steps=st.integers(1, 6))
     def advance(self, data, new, num_steps):
@@ -191,7 +190,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, data):
         admit = data.draw(st.integers(0, 4)) > 0  # the engine defers admissions behind a lookahead
-        state, out = sch.schedule(self.state, admit=admit)
+        state, out = scheduler.schedule(self.state, admit=admit)
         check_plan(self.state, state, out)
         if not admit:
             assert not out.blocks_to_swap_in and {g.request_id for g in self.state.waiting} <= {
@@ -207,7 +206,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("shared prefill")
         if any(w.is_prefill and not w.do_sample for w in out.scheduled):
             event("chunk")
-        if any(len(w.seq_ids) < len(sch.find_group(state, w.request_id).unfinished_seqs)
+        if any(len(w.seq_ids) < len(scheduler.find_group(state, w.request_id).unfinished_seqs)
                for w in out.scheduled if w.is_prefill):
             event("re-prefill of diverged sequences")
         self.cache.apply(out)
@@ -215,10 +214,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         aborted = None
         if state.running and data.draw(st.integers(0, 9)) == 0:
             aborted = data.draw(st.sampled_from([group.request_id for group in state.running]))
-            state = sch.abort(state, aborted)
+            state = scheduler.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
-        self._record(("step", admit, aborted, tuple(actions)), sch.update(state, actions))
+        self._record(("step", admit, aborted, tuple(actions)), scheduler.update(state, actions))
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")
 
@@ -227,7 +226,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = self.state.waiting + self.state.running + self.state.swapped
         ids = [group.request_id for group in live] + ["never-added"]
         request_id = data.draw(st.sampled_from(ids))
-        self._record(("abort", request_id), sch.abort(self.state, request_id))
+        self._record(("abort", request_id), scheduler.abort(self.state, request_id))
 
     @invariant()
     def blocks_are_consistent(self):
@@ -235,16 +234,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         """The same calls from the same initial state give equal states: the state is a value."""
-        state = sch.initial_state(self.config)
+        state = scheduler.initial_state(self.config)
         for call, expected in zip(self.calls, self.states):
             if call[0] == "add":
-                state = sch.add_request(state, call[1], call[2], **call[3])
+                state = scheduler.add_request(state, call[1], call[2], **call[3])
             elif call[0] == "abort":
-                state = sch.abort(state, call[1])
+                state = scheduler.abort(state, call[1])
             else:
                 _, admit, aborted, actions = call
-                state, _ = sch.schedule(state, admit=admit)
-                state = sch.update(sch.abort(state, aborted) if aborted else state, actions)
+                state, _ = scheduler.schedule(state, admit=admit)
+                state = scheduler.update(scheduler.abort(state, aborted) if aborted else state, actions)
             assert state == expected
 
 

@@ -351,7 +351,8 @@ def test_models_tokenize_detokenize_health(url):
     assert http(url, "POST", "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "Hello world"
     assert http(url, "GET", "/version").json()["version"]
     for path in ("/v1/completions", "/tokenize"):  # a body that is not UTF-8: OpenAI's error shape
-        response = http(url, "POST", path, content=b'{"prompt": "\xff hi"}', headers={"content-type": "application/json"})
+        response = http(url, "POST", path, content=b'{"prompt": "\xff hi"}',
+                        headers={"content-type": "application/json"})
         assert response.status_code == 400 and response.json()["error"]["code"] == 400
     missing = http(url, "GET", "/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"

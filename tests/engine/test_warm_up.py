@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import time
 
-from engine import BeamSearchParams, SamplingParams, programs, sampler
-from engine.async_engine import AsyncLLMEngine
+from engine import BeamSearchParams, SamplingParams
+from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.worker import sampler, stages
 from tests.engine.tiny import prompts, tiny_llm
 
 
 def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
     llm, config = tiny_llm("llama_gqa_tied", tmp_path, warmup=True, max_num_batched_tokens=64)
     compiled = []
-    original = programs._compile
-    monkeypatch.setattr(programs, "_compile", lambda key, lowered: compiled.append(key[0]) or original(key, lowered))
+    original = stages._compile
+    monkeypatch.setattr(stages, "_compile", lambda key, lowered: compiled.append(key[0]) or original(key, lowered))
     vocab = config.vocab_size
     samplers = sampler.sample._cache_size()
     # Prompts of 1-60 tokens, several per step and chunked (64 tokens a step): every mix of
@@ -62,8 +63,8 @@ def test_an_idle_server_compiles_sampling_with_a_temperature(tmp_path):
                  use_tqdm=False)
     for temperature in (1.0, 0.0):
         for num_prompts, n in ((3, 2), (1, 4)):
-            llm.generate(prompts(num_prompts, vocab, seed=5), SamplingParams(n=n, temperature=temperature, max_tokens=3),
-                         use_tqdm=False)
+            params = SamplingParams(n=n, temperature=temperature, max_tokens=3)
+            llm.generate(prompts(num_prompts, vocab, seed=5), params, use_tqdm=False)
     assert sampler.sample._cache_size() == samplers
 
 
@@ -97,12 +98,13 @@ def test_small_decode_steps_run_as_one_program_with_the_same_tokens(tmp_path, mo
     llm, config = tiny_llm("llama_gqa_tied", tmp_path)
     runner = llm.engine.runner
     assert runner.one_program_buckets == (1, 2, 4, 8, 16)  # every decode bucket up to 32 rows
-    stages = []
-    call = programs.call
-    monkeypatch.setattr(programs, "call", lambda stage, *args, **kwargs: stages.append(stage) or call(stage, *args, **kwargs))
+    called = []
+    call = stages.call
+    monkeypatch.setattr(stages, "call",
+                        lambda stage, *args, **kwargs: called.append(stage) or call(stage, *args, **kwargs))
     batch, params = prompts(3, config.vocab_size), SamplingParams(temperature=0, max_tokens=6)
     whole = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    assert stages.count("embed") == 1  # the prefill by stages; the 5 decode steps as one program
+    assert called.count("embed") == 1  # the prefill by stages; the 5 decode steps as one program
     assert list(runner._whole_model) == [4]  # of 4 rows, for 3 sequences
     runner.one_program_buckets = ()
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == whole

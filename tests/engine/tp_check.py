@@ -13,8 +13,9 @@ import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from engine import LLM, SamplingParams, programs  # noqa: E402
-from engine.scheduler import ScheduledGroupWork  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.worker import stages  # noqa: E402
+from engine.core.scheduler import ScheduledGroupWork  # noqa: E402
 from tests.engine.tiny import ENGINE, prompts  # noqa: E402
 from tests.models.tiny_models import write_checkpoint  # noqa: E402
 
@@ -53,7 +54,7 @@ def main():
     assert swapping.cache_stats().num_preemptions > 0, "the small pool was meant to force preemption"
     assert got == want, "outputs changed under preemption by swap"
 
-    layers = [exe.as_text() for key, exe in programs._compiled.items() if key[0] == "layer" and key[2] is not None]
+    layers = [exe.as_text() for key, exe in stages._compiled.items() if key[0] == "layer" and key[2] is not None]
     assert layers, "no tensor-parallel layer program was compiled"
     for text in layers:
         counts = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_paged
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 from pallas_paged import reference
 from tests.gpu.conftest import gpu_only
 from tests.pallas_paged.scenarios import assert_close, decode_seqs, make

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import transformers
 from safetensors.numpy import load_file
+from tiny_models import write_checkpoint
 
 import models
 from engine import LLM
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches
 from tests.hf_torch import load_hf_model, require_torch
-from tiny_models import write_checkpoint
 
 QUANT_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F16", "Q8_0", "Q4_0", "Q4_1", "F32")]
 
@@ -45,7 +45,8 @@ def _write_gguf(checkpoint, path, quant_types=QUANT_TYPES):
     quant_types = itertools.cycle(quant_types)
     for name, data in load_file(checkpoint / "model.safetensors").items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-            data = _llama_cpp_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _llama_cpp_permute(data, heads)
         qtype = next(quant_types) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), gguf.quants.quantize(data, qtype),
                           raw_dtype=qtype)

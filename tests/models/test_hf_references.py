@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from tiny_models import TINY_CONFIGS, write_checkpoint
 
 from tests import hf_references
-from tests.hf_torch import load_hf_model, require_torch
-from tiny_models import TINY_CONFIGS, write_checkpoint
+from tests.hf_torch import require_torch
 
 
 @pytest.mark.parametrize("name", TINY_CONFIGS)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors.numpy import load_file, save_file
+from tiny_models import tiny_config, write_checkpoint
 
 import models
 from models import loader
 from models.config import ModelLoadError
 from tests.hf_torch import require_torch
-from tiny_models import tiny_config, write_checkpoint
 
 
 def _write_config(directory, **config):

@@ -9,9 +9,9 @@ from pathlib import Path
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
+from tiny_models import write_checkpoint
 
 import models
-from tiny_models import write_checkpoint
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "opt_project_in_out"])

@@ -9,9 +9,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from paged_batch import PagedModel, greedy
 
 import models
-from paged_batch import PagedModel, greedy
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,13 @@ import weakref
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_batch import PagedModel
+from tiny_models import REFERENCE_DECODE_STEPS, REFERENCE_PROMPT_LENS, TINY_CONFIGS, reference_prompts, write_checkpoint
 
 import models
 import pallas_paged
 from models.config import HF_MODEL_TYPES
-from paged_batch import PagedModel
 from tests.hf_references import stored_tiny
-from tiny_models import REFERENCE_DECODE_STEPS, REFERENCE_PROMPT_LENS, TINY_CONFIGS, reference_prompts, write_checkpoint
 
 
 def _paged_logits(model: PagedModel, prompts, refs):

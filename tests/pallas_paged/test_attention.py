@@ -16,7 +16,6 @@ import pytest
 
 import pallas_paged
 from pallas_paged import decode, decode_tpu, native, ragged, reference, tiling, xla
-
 from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
 
 HEADS = [  # (q_heads, kv_heads)
@@ -262,7 +261,8 @@ def test_native_splits_a_lone_long_sequence(dtype):
     keys into parts and merges them: one decoding sequence, and one chunk of 12 tokens after
     a long cached prefix, whose rows see different numbers of keys in the last part."""
     d = make(decode_seqs([1037]), q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
-    assert_close(jax.jit(pallas_paged.paged_attention)(*d.decode_args), reference.paged_attention(*d.decode_args), dtype)
+    assert_close(jax.jit(pallas_paged.paged_attention)(*d.decode_args), reference.paged_attention(*d.decode_args),
+                 dtype)
     r = make([(1100, 12)], q_heads=4, kv_heads=1, head_dim=64, block_size=16, dtype=dtype, padding_tokens=2)
     actual = jax.jit(pallas_paged.ragged_paged_attention)(*r.ragged_args)
     assert_close(actual, reference.ragged_paged_attention(*r.ragged_args), dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 
@@ -129,7 +128,8 @@ def test_16_bit_caches_are_updated_in_place_on_cpu(op):
         new = jnp.zeros((8, 3, 64), jnp.bfloat16)
         fn, args = pallas_paged.write_kv, (*caches, new, new, jnp.arange(8, dtype=jnp.int32))
     else:
-        fn, args = pallas_paged.copy_blocks, (*caches, jnp.arange(4, dtype=jnp.int32), jnp.arange(4, 8, dtype=jnp.int32))
+        src, dst = jnp.arange(4, dtype=jnp.int32), jnp.arange(4, 8, dtype=jnp.int32)
+        fn, args = pallas_paged.copy_blocks, (*caches, src, dst)
     lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(*args)
     compiled = lowered.compile(compiler_options=pallas_paged.compiler_options("cpu"))
     assert compiled.memory_analysis().temp_size_in_bytes < caches[0].nbytes

@@ -19,7 +19,7 @@ import jax
 
 import models
 import pallas_paged
-from engine import sampler
+from engine.worker import sampler
 
 
 def _replicated(x):
@@ -69,7 +69,7 @@ def _advanced(positions, metadata):
     """The positions (int32[T]), slots (int32[T]) and context lengths (int32[S]) of the
     decode after the decode step of ``positions`` and ``metadata`` (token i is sequence i):
     real rows one on, each next slot found in the row's block table (padding rows have slot
-    -1 and context 0, and keep them). For a lookahead (:mod:`engine.lookahead`)."""
+    -1 and context 0, and keep them). For a lookahead (:mod:`engine.async_scheduling`)."""
     size, tables = metadata.block_size, metadata.block_tables
     assert size > 0, "the metadata's block size is needed to find the next slots"
     real = metadata.slot_mapping >= 0

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_paged
-from engine import huge_pages
+from engine.worker import huge_pages
 from pallas_paged.cache_ops import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class CacheEngine:
     """Owns ``kv_caches`` (per layer ``(k, v)``, each ``[kv_heads, blocks, block_size, d]``,
     placed with ``sharding`` for tensor parallelism) and the swap space ``host_blocks``
     (``[layers, 2, kv_heads, num_host_blocks, block_size, d]`` in host memory). On a Linux CPU
-    the device caches get huge pages (:mod:`engine.huge_pages`; ``_huge_pages`` is the thread
+    the device caches get huge pages (:mod:`engine.worker.huge_pages`; ``_huge_pages`` is the thread
     asking), which the programs that update them in place keep."""
 
     def __init__(self, spec: pallas_paged.KVCacheSpec, num_host_blocks: int, sharding=None):

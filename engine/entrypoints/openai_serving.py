@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 
 import jinja2
 
-from engine.async_engine import AsyncLLMEngine
+from engine.core.scheduler import InvalidRequestError
+from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.protocol import ChatRequest, CompletionRequest
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import ChatRequest, CompletionRequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,9 @@ class OpenAIServing:
                 if progress.done or not (delta.text or c.finish_reason):
                     continue
                 progress.advance(c)
+                logprobs = self._chat_logprobs(delta, request.top_logprobs) if request.logprobs else None
                 yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": self._chat_logprobs(delta, request.top_logprobs) if request.logprobs else None,
+                              "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             final = output
         if _includes_usage(request):

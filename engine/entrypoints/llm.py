@@ -11,11 +11,11 @@ import jinja2
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.core.scheduler import InvalidRequestError
+from engine.entrypoints.protocol import text_content
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from engine.protocol import text_content
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import InvalidRequestError
 
 # The paper's Orca baselines that size each reservation by the request's true output length.
 _ORACLE_RESERVATIONS = ("orca-pow2", "orca-oracle")
@@ -46,7 +46,7 @@ class LLM:
     kv_cache_dtype: "auto" (the weights'), "float32" or "bfloat16". block_size: tokens per KV block.
     num_blocks: device KV blocks, exactly (else sized from kv_cache_memory bytes; else on a GPU
     or TPU gpu_memory_utilization of the device's memory less the weights and the peak
-    activations, and on a CPU 1 GiB; see ``engine.kv_cache_size``). swap_space: GiB of host
+    activations, and on a CPU 1 GiB; see ``engine.worker.kv_cache_size``). swap_space: GiB of host
     memory for swapped-out blocks. max_num_seqs /
     max_num_batched_tokens: per-step budgets (longer prompts are prefilled in chunks).
     max_model_len: prompt plus output limit (default: the model's; lowered, with a warning, to
@@ -57,9 +57,9 @@ class LLM:
     "orca-pow2", "orca-oracle"). seed: for requests without their own. policy: "fcfs"
     (continuous batching) or "static" (a batch runs until all its members finish). warmup:
     compile every step shape now (else on first use). tensor_parallel_size: split the model
-    over that many devices (heads, MLP, vocabulary; see ``engine.parallel``). async_scheduling:
+    over that many devices (heads, MLP, vocabulary; see ``engine.worker.tensor_parallel``). async_scheduling:
     dispatch a decode step before the previous one's tokens reach the host, where that cannot
-    change the output (see ``engine.lookahead``).
+    change the output (see ``engine.async_scheduling``).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",

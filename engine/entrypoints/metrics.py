@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
-from engine.async_engine import EngineSnapshot
+from engine.entrypoints.async_engine import EngineSnapshot
 from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

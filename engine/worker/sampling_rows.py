@@ -13,11 +13,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from engine import programs
-from engine.requests import RequestState
-from engine.sampler import SamplingBatch, SamplerOutput, pick_rows, sample
+from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-
+from engine.worker import stages
+from engine.worker.sampler import SamplerOutput, SamplingBatch, pick_rows, sample
 
 # Biases (and allowed lists) of up to this many tokens share one sampler program per row count.
 _MIN_BIAS_WIDTH = 16
@@ -134,7 +133,7 @@ def dispatch(logits, rows: list[Row], pad_to: int = 1) -> tuple[SamplerOutput, S
 
 def dispatch_next(logits, batch: SamplingBatch) -> tuple[SamplerOutput, SamplingBatch]:
     """Sample the step after the one ``batch`` sampled, for the same rows, the logits' own in
-    order (a lookahead, :mod:`engine.lookahead`, whose inputs depend on nothing but the step):
+    order (a lookahead, :mod:`engine.async_scheduling`, whose inputs depend on nothing but the step):
     each row's random number is then the one it would draw after recording the earlier token."""
     batch = batch.replace(step=batch.step + np.int32(1))
     return sample(_committed(logits), batch), batch
@@ -204,7 +203,7 @@ def activation_bytes(vocab_size: int, size: int) -> int:
         all_greedy=False, top_p_or_min_p=True, max_top_k=64, penalties=True, logprobs=True, ranks=True,
         num_top_logprobs=20)
     logits = jax.ShapeDtypeStruct((size, vocab_size), np.float32)
-    return programs.footprint(sample.lower(logits, batch).compile())
+    return stages.footprint(sample.lower(logits, batch).compile())
 
 
 def _wanted_top(request: RequestState) -> int:

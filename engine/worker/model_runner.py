@@ -4,7 +4,7 @@ Shapes are rounded up to a few buckets so that a handful of compiled programs se
 step: decode-only steps by their number of sequences, other steps by their number of tokens
 (their sequence arrays always have ``max_num_seqs`` rows; padding rows compute nothing), and
 the rows whose logits are needed by their count. The model runs one call per stage
-(embedding, each layer, picking the rows, head; see :mod:`engine.programs`) rather than one
+(embedding, each layer, picking the rows, head; see :mod:`engine.worker.stages`) rather than one
 call for the whole model: the layers share one compiled program, which makes a warm-up of
 every bucket take seconds instead of minutes, for a dispatch overhead of well under a
 millisecond per layer. Decode steps of a few sequences (``ONE_PROGRAM_ROWS``), where that
@@ -25,8 +25,8 @@ import numpy as np
 
 import models
 import pallas_paged
-from engine import parallel, programs
-from engine.scheduler import ScheduledGroupWork
+from engine.core.scheduler import ScheduledGroupWork
+from engine.worker import stages, tensor_parallel
 from models import Metadata
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _abstract(tree):
 
 
 def _moved_on(inputs: StepInputs, advanced) -> StepInputs:
-    """``inputs`` with the positions, slots and context lengths ``advanced`` (``programs._advanced``'s)."""
+    """``inputs`` with the positions, slots and context lengths ``advanced`` (``stages._advanced``'s)."""
     positions, slots, context_lens = advanced
     return inputs.replace(positions=positions,
                           metadata=inputs.metadata.replace(slot_mapping=slots, context_lens=context_lens))
@@ -136,12 +136,12 @@ class ModelRunner:
         # tree would cost each of those calls a few milliseconds of argument handling.
         self.outer_params = {key: value for key, value in params.items() if key != "layers"}
         self.mesh = mesh
-        self._inputs = parallel.replicated(mesh)
+        self._inputs = tensor_parallel.replicated(mesh)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = powers_of_two(_min_rows(params), max_num_seqs)
-        # Not under a mesh, whose stages keep activations replicated between programs.
+        # Not under a mesh, whose stages keep activations replicated between stages.
         self.one_program_buckets = () if mesh is not None else tuple(
             size for size in self.decode_buckets if size <= ONE_PROGRAM_ROWS)
         self._whole_model: dict[int, object] = {}  # decode rows -> that bucket's program
@@ -179,7 +179,8 @@ class ModelRunner:
             positions[span] = np.arange(work.start, work.start + n)
             table = np.asarray(work.block_table, np.int32)
             block_tables[row, : len(table)] = table
-            slot_mapping[span] = table[positions[span] // self.block_size] * self.block_size + positions[span] % self.block_size
+            size = self.block_size
+            slot_mapping[span] = table[positions[span] // size] * size + positions[span] % size
             context_lens[row] = work.context_len
             cursor += n
             query_start_loc[row + 1 :] = cursor
@@ -212,10 +213,10 @@ class ModelRunner:
 
     def advance(self, inputs: StepInputs) -> StepInputs:
         """What :meth:`prepare` makes of the decodes one position after ``inputs``' (see
-        :func:`engine.lookahead.next_works`), computed on the device from ``inputs``: only
+        :func:`engine.async_scheduling.next_works`), computed on the device from ``inputs``: only
         when ``inputs`` is a decode step (not ``pick``) whose sequences' block tables all hold
         their next tokens' slots."""
-        return _moved_on(inputs, programs.call("advance", inputs.positions, inputs.metadata, config=self.config,
+        return _moved_on(inputs, stages.call("advance", inputs.positions, inputs.metadata, config=self.config,
                                                mesh=self.mesh))
 
     def run(self, inputs: StepInputs, kv_caches) -> tuple[ModelOutput, list]:
@@ -224,19 +225,19 @@ class ModelRunner:
 
         The caches are donated: use the returned ones.
         """
-        call = functools.partial(programs.call, config=self.config, mesh=self.mesh)
+        call = functools.partial(stages.call, config=self.config, mesh=self.mesh)
         if not inputs.pick and len(inputs.input_ids) in self.one_program_buckets:
             args = (self.params, inputs.input_ids, inputs.positions, inputs.metadata, kv_caches)
             # Only the rows change a decode program's shapes: looking it up by them skips the
             # general lookup's pass over the model's hundreds of arrays (0.5 ms a step).
             program = self._whole_model.get(len(inputs.input_ids))
             if program is None:
-                program = self._whole_model[len(inputs.input_ids)] = programs.executable(
+                program = self._whole_model[len(inputs.input_ids)] = stages.executable(
                     "decode", *args, config=self.config, mesh=self.mesh)
             logits, kv_caches, argmax, advanced = program(*args)
             return ModelOutput(logits, argmax, _moved_on(inputs, advanced)), kv_caches
         x, positional = call("embed", self.outer_params, inputs.input_ids, inputs.positions)
-        layer = programs.executable("layer", self.params["layers"][0], x, positional, inputs.metadata,
+        layer = stages.executable("layer", self.params["layers"][0], x, positional, inputs.metadata,
                                     kv_caches[0], config=self.config, mesh=self.mesh)
         new_caches = []
         for layer_params, kv_cache in zip(self.params["layers"], kv_caches, strict=True):
@@ -250,7 +251,7 @@ class ModelRunner:
         start = time.monotonic()
         shapes = self._step_shapes()
         calls = [call for shape in shapes for call in self._calls(shape, kv_caches)]
-        compiled = programs.compile_all(calls)
+        compiled = stages.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
 
@@ -264,7 +265,7 @@ class ModelRunner:
         kv_caches = _abstract(kv_caches)
         resident = {id(leaf) for leaf in jax.tree.leaves((self._abstract_params, kv_caches))}
         calls = [call for shape in (decode, prefill) for call in self._calls(shape, kv_caches)]
-        return max(programs.activation_bytes(*call, resident=resident) for call in calls)
+        return max(stages.activation_bytes(*call, resident=resident) for call in calls)
 
     @functools.cached_property
     def _abstract_params(self):
@@ -273,7 +274,7 @@ class ModelRunner:
 
     def _calls(self, shape: tuple[int, int, int], kv_caches) -> list[tuple]:
         """The ``(stage, config, mesh, args)`` programs a step of ``shape`` (see
-        :meth:`_step_shapes`) runs, for :func:`programs.compile_all`, with abstract arguments."""
+        :meth:`_step_shapes`) runs, for :func:`stages.compile_all`, with abstract arguments."""
         kind, num_tokens, num_logits = shape
         params, layer_params, all_params = self._abstract_params
         kv_caches = _abstract(kv_caches)

@@ -31,12 +31,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.requests import RequestState
-from engine.runner import StepInputs
-from engine.sampler import SamplerOutput, SamplingBatch
+from engine.core.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
+from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
-from engine.step_sampling import Row
+from engine.worker.model_runner import StepInputs
+from engine.worker.sampler import SamplerOutput, SamplingBatch
+from engine.worker.sampling_rows import Row
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,19 +1,19 @@
-"""schedule(): plan one engine step (see `engine.scheduler` for the whole protocol)."""
+"""schedule(): plan one engine step (see `engine.core.scheduler` for the whole protocol)."""
 
 import collections
 import dataclasses
 
-from engine import block_manager as bm
-from engine.block_manager import AllocStatus, BlockManagerState
-from engine.block_pool import blocks_for
-from engine.scheduler_state import (
+from engine.core import block_manager
+from engine.core.block_manager import AllocStatus, BlockManagerState
+from engine.core.block_pool import blocks_for
+from engine.core.scheduler_state import (
     ScheduledGroupWork,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerState,
     SchedulerUsageError,
 )
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def _work(
     blocks they need (`whole_table`: every block of the table, blocks reserved ahead too)."""
     first, size = seqs[0], blocks.config.block_size
     start = first.num_computed_tokens
-    table = bm.block_table(blocks, first.seq_id)
+    table = block_manager.block_table(blocks, first.seq_id)
     return ScheduledGroupWork(
         request_id=group.request_id,
         seq_ids=tuple(seq.seq_id for seq in seqs),
@@ -60,7 +60,7 @@ def _prefill_work(
     """Up to `budget` prefill tokens of `group`: first the tokens its sequences share (one
     entry for all), then each sequence's own rest; sampling only when all are complete."""
     seqs = group.unfinished_seqs
-    shared = bm.num_shared_tokens(blocks, seqs)
+    shared = block_manager.num_shared_tokens(blocks, seqs)
     computed = seqs[0].num_computed_tokens
     if computed < shared:
         assert all(seq.num_computed_tokens == computed for seq in seqs)
@@ -104,7 +104,7 @@ def _run_decode(step: _Step, group: SequenceGroup) -> _Step:
     blocks, copies, work = step.blocks, [], []
     for seq in group.unfinished_seqs:
         assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
-        blocks, copy = bm.append_slot(blocks, seq)
+        blocks, copy = block_manager.append_slot(blocks, seq)
         copies += [copy] if copy else []
         work.append(_work(blocks, group, (seq,), 1, do_sample=True, whole_table=True))
     return _join(step, group, tuple(work), blocks, tuple(copies))
@@ -117,7 +117,7 @@ def _run_prefill(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> 
     work = _prefill_work(step.blocks, group, budget)
     blocks, seqs = step.blocks, {seq.seq_id: seq for seq in group.unfinished_seqs}
     for entry in work:
-        blocks = bm.mark_scheduled(blocks, seqs[entry.seq_ids[0]], entry.context_len)
+        blocks = block_manager.mark_scheduled(blocks, seqs[entry.seq_ids[0]], entry.context_len)
     return _join(step, group, work, blocks)
 
 
@@ -149,7 +149,7 @@ def _reset_for_recompute(group: SequenceGroup) -> SequenceGroup:
 
 def _free_group(blocks: BlockManagerState, group: SequenceGroup) -> BlockManagerState:
     for seq in group.unfinished_seqs:
-        blocks = bm.free(blocks, seq.seq_id)
+        blocks = block_manager.free(blocks, seq.seq_id)
     return blocks
 
 
@@ -158,8 +158,8 @@ def _preempt(step: _Step, group: SequenceGroup, mode: str | None) -> _Step:
     can take it, else free its blocks to recompute it later."""
     step = dataclasses.replace(step, preempted=step.preempted + (group.request_id,))
     use_swap = mode == "swap" or (mode is None and len(group.unfinished_seqs) > 1)
-    if use_swap and bm.can_swap_out(step.blocks, group):
-        blocks, pairs = bm.swap_out(step.blocks, group)
+    if use_swap and block_manager.can_swap_out(step.blocks, group):
+        blocks, pairs = block_manager.swap_out(step.blocks, group)
         group = set_unfinished_status(group, SequenceStatus.SWAPPED)
         return dataclasses.replace(
             step, blocks=blocks, to_swapped=step.to_swapped + (group,),
@@ -182,7 +182,7 @@ def _schedule_running(state: SchedulerState) -> _Step:
         if group.in_prefill:
             prefilling.append(group)
             continue
-        while not bm.can_append_slots(step.blocks, group):
+        while not block_manager.can_append_slots(step.blocks, group):
             victim = queue.pop() if queue else group
             step = _preempt(step, victim, state.config.preemption_mode)
             if victim is group:
@@ -206,9 +206,9 @@ def _reserve_next_blocks(step: _Step, config: SchedulerConfig) -> _Step:
         following = work.context_len  # the position of the next token
         if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
                 and following < config.max_model_len and following >= len(work.block_table) * size
-                and bm.can_append_block(blocks, work.seq_ids[0])):
-            blocks = bm.append_block(blocks, work.seq_ids[0])
-            work = dataclasses.replace(work, block_table=bm.block_table(blocks, work.seq_ids[0]))
+                and block_manager.can_append_block(blocks, work.seq_ids[0])):
+            blocks = block_manager.append_block(blocks, work.seq_ids[0])
+            work = dataclasses.replace(work, block_table=block_manager.block_table(blocks, work.seq_ids[0]))
         works.append(work)
     return dataclasses.replace(step, blocks=blocks, work=tuple(works))
 
@@ -240,12 +240,12 @@ def _with_reason(
 def _swap_in_status(
     blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
 ) -> tuple[AllocStatus, str]:
-    status = bm.can_swap_in(blocks, group)
-    return _with_reason(blocks, group, status, bm.num_swap_in_blocks, "resume")
+    status = block_manager.can_swap_in(blocks, group)
+    return _with_reason(blocks, group, status, block_manager.num_swap_in_blocks, "resume")
 
 
 def _swap_in(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
-    blocks, pairs = bm.swap_in(step.blocks, group)
+    blocks, pairs = block_manager.swap_in(step.blocks, group)
     group = set_unfinished_status(group, SequenceStatus.RUNNING)
     step = dataclasses.replace(step, blocks=blocks, swap_in=step.swap_in + pairs)
     return _run(step, group, config)
@@ -262,13 +262,13 @@ def _admission_status(
             f"{config.max_model_len}; shorten the prompt or raise max_model_len"
         )
         return AllocStatus.NEVER, reason
-    status = bm.can_allocate(blocks, group)
-    return _with_reason(blocks, group, status, bm.num_required_blocks, "start")
+    status = block_manager.can_allocate(blocks, group)
+    return _with_reason(blocks, group, status, block_manager.num_required_blocks, "start")
 
 
 def _admit(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
     """Allocate the group's blocks (prefix-cache hits count as computed) and start its prefill."""
-    blocks, num_cached_tokens = bm.allocate(step.blocks, group)
+    blocks, num_cached_tokens = block_manager.allocate(step.blocks, group)
     seqs = tuple(
         seq if seq.status.is_finished
         else dataclasses.replace(

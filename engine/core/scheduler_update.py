@@ -2,7 +2,7 @@
 
 Every token the step computed is marked computed (and full blocks enter the prefix cache), then
 the sampler's actions apply by kind: Appends and Forks (a child copies its parent as sampled,
-without the parent's Append), then Finishes and Drops. `engine.scheduler` explains how
+without the parent's Append), then Finishes and Drops. `engine.core.scheduler` explains how
 parallel sampling and beam search map onto actions.
 """
 
@@ -10,9 +10,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from engine import block_manager as bm
-from engine.block_manager import BlockManagerState
-from engine.scheduler_state import (
+from engine.core import block_manager
+from engine.core.block_manager import BlockManagerState
+from engine.core.scheduler_state import (
     Action,
     Append,
     Drop,
@@ -22,7 +22,7 @@ from engine.scheduler_state import (
     SchedulerState,
     SchedulerUsageError,
 )
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Seqs = dict[int, Sequence]
 
@@ -86,7 +86,7 @@ def _check(by_kind: dict, sampled: set[int], live: set[int]) -> None:
 
 def _end(blocks: BlockManagerState, seqs: Seqs, seq_id: int, status: SequenceStatus):
     seqs[seq_id] = dataclasses.replace(seqs[seq_id], status=status)
-    return bm.free(blocks, seq_id)
+    return block_manager.free(blocks, seq_id)
 
 
 def _apply(
@@ -103,17 +103,17 @@ def _apply(
         seqs[seq_id] = dataclasses.replace(
             seqs[seq_id], num_computed_tokens=num_computed, output_token_ids=output
         )
-    blocks = bm.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
+    blocks = block_manager.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
     parents = {}
     for fork, child_id, output in zip(by_kind[Fork], child_ids, child_outputs):
         parent = seqs[fork.parent_seq_id]
         seqs[child_id] = dataclasses.replace(parent, seq_id=child_id, output_token_ids=output)
-        blocks = bm.fork(blocks, parent.seq_id, child_id)
+        blocks = block_manager.fork(blocks, parent.seq_id, child_id)
         parents[child_id] = parent.seq_id
     for finish in by_kind[Finish]:
         blocks = _end(blocks, seqs, finish.seq_id, finish.status)
     for drop in by_kind[Drop]:
-        blocks = bm.free(blocks, drop.seq_id)
+        blocks = block_manager.free(blocks, drop.seq_id)
     return blocks, parents, {drop.seq_id for drop in by_kind[Drop]}
 
 

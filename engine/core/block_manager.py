@@ -9,7 +9,7 @@ token is made private first (copy-on-write), so shared KV is never overwritten.
 Every function is pure: it takes a `BlockManagerState` and returns a new one, plus the block
 operations the cache engine must carry out (copy pairs, swap mappings). Callers check first
 (`can_allocate`, `can_append_slots`, `can_swap_out`, `can_swap_in`); the operations assert.
-Reservation policies and the layout of an admitted group: `engine.allocation`.
+Reservation policies and the layout of an admitted group: `engine.core.allocation`.
 """
 
 import collections
@@ -17,12 +17,12 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from engine import block_pool, buddy, prefix_cache
-from engine.allocation import RESERVATIONS, plan_allocation, uses_buddy
-from engine.block_pool import BlockPool, blocks_for, empty_pool
-from engine.block_stats import BlockManagerStats, stats  # noqa: F401 (part of this interface)
-from engine.prefix_cache import PrefixCache, assoc, dissoc, frozen_map
-from engine.sequence import Sequence, SequenceGroup
+from engine.core import block_pool, buddy, prefix_cache
+from engine.core.allocation import RESERVATIONS, plan_allocation, uses_buddy
+from engine.core.block_pool import BlockPool, empty_pool
+from engine.core.block_stats import BlockManagerStats, stats  # noqa: F401 (part of this interface)
+from engine.core.prefix_cache import PrefixCache, assoc, dissoc, frozen_map
+from engine.core.sequence import Sequence, SequenceGroup
 
 
 class ConfigError(ValueError):
@@ -369,7 +369,7 @@ def num_shared_tokens(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> i
 
 def mark_scheduled(state: BlockManagerState, seq: Sequence, num_tokens: int) -> BlockManagerState:
     """This step computes `seq`'s first `num_tokens` tokens: offer its full blocks among them to
-    groups admitted later in the step (when caching is on; see `engine.prefix_cache`)."""
+    groups admitted later in the step (when caching is on; see `engine.core.prefix_cache`)."""
     if not state.config.enable_prefix_caching:
         return state
     cache = prefix_cache.offer_scheduled(

@@ -5,10 +5,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from engine.block_pool import num_available
+from engine.core.block_pool import num_available
 
 if TYPE_CHECKING:
-    from engine.block_manager import BlockManagerState
+    from engine.core.block_manager import BlockManagerState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,15 @@
 """A pool of physical KV blocks: a reference count per block and a free list.
 
 On the device pool, a block whose last reference goes away while it holds a prefix-cache entry
-is not freed but becomes evictable (see `engine.prefix_cache`); `take_device` and
+is not freed but becomes evictable (see `engine.core.prefix_cache`); `take_device` and
 `release_device` implement that split. The host pool (swap space) has no cache.
 """
 
 import dataclasses
 from collections.abc import Iterable
 
-from engine import prefix_cache
-from engine.prefix_cache import PrefixCache
+from engine.core import prefix_cache
+from engine.core.prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass(frozen=True)

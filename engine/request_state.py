@@ -188,12 +188,17 @@ class RequestState:
         if self.beams is None or not self.beams.done:
             return []
         beams = beam_search.results(self.beams, self.params.beam_width)
+        eos = self.eos_token_ids
+
+        def text(beam) -> str:
+            return decode_after(tokenizer, self.prompt_token_ids, beam.tokens) if tokenizer else ""
+
         return [
-            CompletionOutput(index=i, text=decode_after(tokenizer, self.prompt_token_ids, beam.tokens) if tokenizer else "",
+            CompletionOutput(index=i, text=text(beam),
                              token_ids=beam.tokens, cumulative_logprob=beam.logprob,
                              logprobs=tuple(_proposals_entry(tokenizer, token, proposed)
                                             for token, proposed in zip(beam.tokens, beam.proposals)),
-                             finish_reason="stop" if beam.tokens and beam.tokens[-1] in self.eos_token_ids else "length")
+                             finish_reason="stop" if beam.tokens and beam.tokens[-1] in eos else "length")
             for i, beam in enumerate(beams)
         ]
 

@@ -1,13 +1,13 @@
 """The scheduler's records: configuration, per-step output, update actions and state.
 
-`engine.scheduler` holds the functions over them (and re-exports these names).
+`engine.core.scheduler` holds the functions over them (and re-exports these names).
 """
 
 import dataclasses
 
-from engine.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
-from engine.block_stats import BlockManagerStats
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.core.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
+from engine.core.block_stats import BlockManagerStats
+from engine.core.sequence import SequenceGroup, SequenceStatus
 
 PREEMPTION_MODES = (None, "recompute", "swap")
 POLICIES = ("fcfs", "static")
@@ -33,8 +33,9 @@ class SchedulerConfig:
     that does not fork (`SequenceGroup.may_fork`: not beam search) whose next token will open a
     block gets that block one step early, when nothing waits and the free list has one (no
     cached block is evicted for it): the step after can then be dispatched before this one's
-    tokens are known (`engine.lookahead`), across block boundaries too. Unless the sequence stops at this step (a stop token), the block would be
-    taken at the next step anyway, before any admission: it costs one empty block for a step.
+    tokens are known (`engine.async_scheduling`), across block boundaries too. Unless the
+    sequence stops at this step (a stop token), the block would be taken at the next step
+    anyway, before any admission: it costs one empty block for a step.
     """
 
     max_num_batched_tokens: int

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from engine import scheduler as sch
+from engine.core.scheduler import SchedulerStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class EngineSnapshot:
     """The engine's state after its latest step, for metrics and health."""
 
-    scheduler: sch.SchedulerStats
+    scheduler: SchedulerStats
     prompt_tokens: int
     generation_tokens: int
     steps: int

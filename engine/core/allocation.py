@@ -6,7 +6,7 @@ max_model_len slots, for the prompt plus the next power of two of the true outpu
 for exactly the prompt plus the true output length. Reserved blocks count as used and feed the
 sequence's later appends; a sequence that outgrows its reservation allocates on demand, and a
 forked child or a swapped-in sequence has no reservation. Like the paper's Orca, the baselines
-place each sequence's blocks with a buddy allocator (`engine.buddy`): its blocks are rounded up
+place each sequence's blocks with a buddy allocator (`engine.core.buddy`): its blocks are rounded up
 to a power of two (the rounding is reserved too) and must find an aligned free run. Their cost
 shows up as reserved-but-empty slots (`BlockManagerStats.kv_waste`) and as requests that wait
 for a free run while enough blocks are free.
@@ -15,13 +15,13 @@ for a free run while enough blocks are free.
 import dataclasses
 from typing import TYPE_CHECKING
 
-from engine import buddy, prefix_cache
-from engine.block_pool import blocks_for
-from engine.prefix_cache import PrefixCache
-from engine.sequence import Sequence, SequenceGroup
+from engine.core import buddy, prefix_cache
+from engine.core.block_pool import blocks_for
+from engine.core.prefix_cache import PrefixCache
+from engine.core.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
-    from engine.block_manager import BlockManagerConfig
+    from engine.core.block_manager import BlockManagerConfig
 
 RESERVATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 

@@ -43,9 +43,9 @@ group samples only in a step that completes every sequence, so its sequences sta
 import dataclasses
 from collections.abc import Iterable
 
-from engine import block_manager as bm
-from engine.scheduler_plan import schedule
-from engine.scheduler_state import (
+from engine.core import block_manager
+from engine.core.scheduler_plan import schedule
+from engine.core.scheduler_state import (
     POLICIES,
     PREEMPTION_MODES,
     Action,
@@ -61,8 +61,8 @@ from engine.scheduler_state import (
     SchedulerStats,
     SchedulerUsageError,
 )
-from engine.scheduler_update import update
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
+from engine.core.scheduler_update import update
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
 
 __all__ = [
     "POLICIES",
@@ -91,7 +91,7 @@ __all__ = [
 
 def initial_state(config: SchedulerConfig) -> SchedulerState:
     """Empty queues over an empty block manager."""
-    return SchedulerState(config=config, blocks=bm.initial_state(config.block_manager))
+    return SchedulerState(config=config, blocks=block_manager.initial_state(config.block_manager))
 
 
 def find_group(state: SchedulerState, request_id: str) -> SequenceGroup | None:
@@ -163,7 +163,7 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
         return state
     blocks = state.blocks
     for seq in group.unfinished_seqs:
-        blocks = bm.free(blocks, seq.seq_id)
+        blocks = block_manager.free(blocks, seq.seq_id)
     return dataclasses.replace(
         state,
         blocks=blocks,
@@ -179,7 +179,7 @@ def reset_prefix_cache(state: SchedulerState) -> SchedulerState | None:
     (they hold blocks: wait until they finish, or abort them)."""
     if state.running or state.swapped or state.pending is not None:
         return None
-    return dataclasses.replace(state, blocks=bm.reset_prefix_cache(state.blocks))
+    return dataclasses.replace(state, blocks=block_manager.reset_prefix_cache(state.blocks))
 
 
 def stats(state: SchedulerState) -> SchedulerStats:
@@ -189,7 +189,7 @@ def stats(state: SchedulerState) -> SchedulerStats:
         for group in state.running
         for seq in group.unfinished_seqs
     }
-    blocks = bm.stats(state.blocks, num_tokens)
+    blocks = block_manager.stats(state.blocks, num_tokens)
     return SchedulerStats(
         num_running=len(state.running),
         num_waiting=len(state.waiting),

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible server: ``python -m engine.serve [--model ...] [--port 8000] ...``.
+
+FastAPI on uvicorn, bound to loopback unless told otherwise. Every error is OpenAI's JSON
+shape; no bad request can stop the server or keep a block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import logging
+import os
+import time
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import EngineConfig
+from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.metrics import Metrics
+from engine.entrypoints.openai_serving import OpenAIServing, RequestError, error_body
+from engine.entrypoints.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.llm_engine import LLMEngine
+from engine.worker import kv_cache_size
+
+log = logging.getLogger("engine.serve")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def error_response(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, status, kind), status)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before any of it is parsed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        # Read the whole body here (a chunked one has no length to check), then replay it.
+        messages, seen = [], 0
+        while not messages or (messages[-1]["type"] == "http.request" and messages[-1].get("more_body")):
+            messages.append(await receive())
+            seen += len(messages[-1].get("body", b""))
+            if seen > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+
+        async def replayed():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(f"request body is larger than {self.max_bytes} bytes", 413)
+        await response(scope, receive, send)
+
+
+def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
+               max_body_bytes: int = 4 * 2**20) -> FastAPI:
+    """The FastAPI application serving ``engine`` under ``model_names`` (the first is the default)."""
+    metrics = Metrics(model_names[0], block_size=engine.engine.cache.spec.block_size)
+    serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished)
+    app = FastAPI(title="pallas-paged", docs_url=None, redoc_url=None)
+
+    async def authorized(request: Request):
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401,
+                               "authentication_error")
+
+    @app.exception_handler(RequestError)
+    async def request_error(_, error: RequestError):
+        return error_response(str(error), error.status, error.kind)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, error: Exception):  # a bug: the client still gets OpenAI's error shape
+        return error_response(f"internal error: {error}", 500, "internal_server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, error: StarletteHTTPException):  # an unknown route, a body that is not UTF-8
+        response = error_response(str(error.detail), error.status_code,
+                                  "NotFoundError" if error.status_code == 404 else "invalid_request_error")
+        response.headers.update(error.headers or {})  # e.g. Allow, on a 405
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, error: RequestValidationError):
+        if any(e["type"] == "json_invalid" for e in error.errors()):
+            return error_response("the request body is not valid JSON", 400)
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in error.errors())
+        return error_response(f"invalid request: {problems}", 400)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(engine.snapshot), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pallas-paged",
+             "max_model_len": serving.max_model_len} for name in model_names]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        if body.stream:
+            return _stream(serving.completion_stream(body))
+        return await _unless_disconnected(serving.completion(body), request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        if body.stream:
+            return _stream(serving.chat_stream(body))
+        return await _unless_disconnected(serving.chat(body), request)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("send exactly one of prompt or messages")
+        if body.prompt is not None:
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            tokens = serving.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"tokens must be in [0, {vocab})")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app
+
+
+def _version() -> str:
+    """The installed distribution's version (vLLM's ``/version``)."""
+    try:
+        return importlib.metadata.version("pallas-paged")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _stream(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+async def _unless_disconnected(work, request: Request):
+    """Await ``work``, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    return task.result()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    add("--served-model-name", nargs="+", default=None, help="names clients use (default: the model's)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
+    add("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights (activations are float32)")
+    add("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="auto: the weights' dtype")
+    add("--block-size", type=int, default=16)
+    add("--num-blocks", type=int, default=None, help="device KV blocks (default: from --kv-cache-memory)")
+    add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default: "
+        "from --gpu-memory-utilization on a GPU or TPU, 1 GiB on a CPU)")
+    add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of a GPU's or TPU's memory for the "
+        "weights, activations and KV cache (default 0.9)")
+    add("--swap-space", type=float, default=4, help="GiB of host memory for swapped-out blocks")
+    add("--max-num-seqs", type=int, default=256)
+    add("--max-num-batched-tokens", type=int, default=None)
+    add("--max-model-len", type=int, default=None)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV blocks of identical prompt prefixes (default: on)")
+    add("--preemption-mode", choices=["recompute", "swap"], default=None)
+    add("--seed", type=int, default=0)
+    add("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")
+    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="dispatch a decode step before the previous one's tokens reach the host (same output, less idle time)")
+    add("--log-level", default="info")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+
+
+async def _serve(server: uvicorn.Server, ready_line: str) -> None:
+    async def announce():
+        while not server.started:
+            await asyncio.sleep(0.05)
+        log.info(ready_line)
+
+    watcher = asyncio.create_task(announce())
+    await server.serve()
+    watcher.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    # Let JAX's GPU allocator hand out what the engine is told it may use (JAX's own default
+    # is 0.75 of the device), unless the user chose; it is read when JAX first meets the GPU.
+    os.environ.setdefault(kv_cache_size.JAX_GPU_FRACTION, str(args.gpu_memory_utilization))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    ready = (f"ready: serving {names[0]} at http://{args.host}:{args.port}/v1 with "
+             f"{engine.engine.kv_capacity_tokens} KV-cache tokens (sized by {engine.engine.kv_cache_size.reason}; "
+             f"warm-up {engine.engine.warmup_seconds:.1f} s, start {time.monotonic() - started:.1f} s)")
+    try:
+        asyncio.run(_serve(uvicorn.Server(config), ready))
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
