@@ -40,18 +40,19 @@ from engine.worker.sampling_rows import Row
 
 
 @dataclasses.dataclass(frozen=True)
-class Launched:
-    """A step's sampling, dispatched: its rows, and the sampler's device arrays (whose first
-    rows are ``rows``, in order); the model's inputs and the sampler's parameters, None when
-    the tokens are the decode program's arg-max (what a lookahead after it starts from); the
-    next decode's inputs if the decode program computed them (``ModelOutput.following``), and
-    the block tables its inputs hold (those that decode's slots were found in)."""
+class InFlightStep:
+    """A step's sampling, dispatched, its outputs not yet read: its rows, and the sampler's
+    device arrays (whose first rows are ``rows``, in order); the model's inputs and the
+    sampler's parameters, None when the tokens are the decode program's arg-max (what a
+    lookahead after it starts from); the next decode's inputs if the decode program computed
+    them (``ModelOutput.next_inputs``), and the block tables its inputs hold (those that
+    decode's slots were found in)."""
 
     rows: tuple[Row, ...]
     sampled: SamplerOutput
     inputs: StepInputs
     batch: SamplingBatch | None
-    following: StepInputs | None
+    next_inputs: StepInputs | None
     block_tables: tuple[tuple[int, ...], ...]  # those of ``inputs``, one per row
 
 
@@ -61,7 +62,7 @@ class Lookahead:
     and its sampling."""
 
     works: tuple[ScheduledGroupWork, ...]
-    launched: Launched
+    in_flight: InFlightStep
 
 
 def _key(work: ScheduledGroupWork) -> tuple:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-import jax.numpy as jnp
-
-import pallas_paged
 from engine.core.block_manager import RESERVATIONS, BlockManagerConfig
 from engine.core.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from models import ModelConfig
@@ -122,11 +119,6 @@ class EngineConfig:
         """"auto" is the weights' dtype."""
         return self.param_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    def kv_cache_spec(self, model: ModelConfig, num_blocks: int = 1) -> pallas_paged.KVCacheSpec:
-        """The device KV cache of ``num_blocks`` blocks for ``model`` (how many: :mod:`engine.worker.kv_cache_size`)."""
-        return pallas_paged.KVCacheSpec(num_blocks, self.block_size, model.num_kv_heads, model.head_dim,
-                                        model.num_layers, jnp.dtype(self.cache_dtype))
-
     @property
     def batched_tokens(self) -> int:
         """``max_num_batched_tokens``, where None is max(2048, max_num_seqs)."""
@@ -145,13 +137,13 @@ class EngineConfig:
                              f"within its window, so lower max_model_len to {window} or less")
         return self.max_model_len or min(model.max_position_embeddings, window or model.max_position_embeddings)
 
-    def scheduler_config(self, model: ModelConfig, spec: pallas_paged.KVCacheSpec) -> SchedulerConfig:
+    def scheduler_config(self, model: ModelConfig, num_device_blocks: int, bytes_per_block: int) -> SchedulerConfig:
         """The scheduler's budgets. A sequence can never outgrow the device KV cache, so the
         context is at most what one sequence can hold there (:meth:`model_len` otherwise)."""
         blocks = BlockManagerConfig(
             block_size=self.block_size,
-            num_device_blocks=spec.num_blocks,
-            num_host_blocks=int(self.swap_space * _GIB // spec.bytes_per_block),
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=int(self.swap_space * _GIB // bytes_per_block),
             enable_prefix_caching=self.prefix_caching,
             reservation=self.reservation,
             max_model_len=self.model_len(model),

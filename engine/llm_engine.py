@@ -16,24 +16,20 @@ import time
 import jax
 import numpy as np
 
-from engine import async_scheduling, beam_search
+from engine import async_scheduling, beam_search, input_checks
 from engine.config import EngineConfig
 from engine.core import scheduler
-from engine.core.scheduler import Append, Drop, Finish, Fork, InvalidRequestError, SequenceStatus
-from engine.outputs import RequestOutput, token_logprobs
+from engine.core.scheduler import InvalidRequestError
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.request_state import RequestState, SeqProgress
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.worker import huge_pages, kv_cache_size, model_loader, sampling_rows, tensor_parallel
-from engine.worker.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine, kv_cache_spec
 from engine.worker.model_runner import ModelRunner
-from engine.worker.sampler import prompt_logprobs
 from engine.worker.sampling_rows import Row
 
 log = logging.getLogger(__name__)
-
-# vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
-_FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINISHED_IGNORED: "length",
-                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclasses.dataclass
@@ -60,8 +56,8 @@ class LLMEngine:
         mesh = tensor_parallel.make_mesh(config.tensor_parallel_size)
         params = tensor_parallel.place_params(params, mesh)
         self.kv_cache_size = self._kv_cache_size(config, params, mesh)
-        spec = config.kv_cache_spec(self.model_config, self.kv_cache_size.num_blocks)
-        self.scheduler_config = config.scheduler_config(self.model_config, spec)
+        spec = kv_cache_spec(self.model_config, config.block_size, config.cache_dtype, self.kv_cache_size.num_blocks)
+        self.scheduler_config = config.scheduler_config(self.model_config, spec.num_blocks, spec.bytes_per_block)
         self.max_model_len = self.scheduler_config.max_model_len
         if self.max_model_len < config.model_len(self.model_config):
             log.warning("the KV cache holds %d tokens for one sequence, fewer than max_model_len %d: max_model_len "
@@ -87,6 +83,7 @@ class LLMEngine:
         self.state = scheduler.initial_state(self.scheduler_config)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
+        self._output_processor = OutputProcessor(self.tokenizer, self.counters)
         self._lookahead: async_scheduling.Lookahead | None = None
         self._async = config.async_scheduling and mesh is None  # not under a mesh: untested there
         self._seeds = np.random.default_rng(config.seed)
@@ -99,7 +96,7 @@ class LLMEngine:
 
     def _kv_cache_size(self, config: EngineConfig, params, mesh) -> kv_cache_size.KVCacheSize:
         """How many device blocks (:mod:`engine.worker.kv_cache_size`), with the weights ``params`` in place."""
-        one_block = config.kv_cache_spec(self.model_config)
+        one_block = kv_cache_spec(self.model_config, config.block_size, config.cache_dtype)
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
 
         def activation_bytes() -> int:
@@ -166,36 +163,14 @@ class LLMEngine:
 
     def check_prompt(self, token_ids: list[int], request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""
-        if not token_ids:
-            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: the prompt has {len(token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}; shorten the prompt or raise max_model_len")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab})")
+        input_checks.check_prompt(token_ids, request_id, max_model_len=self.max_model_len,
+                                  vocab_size=self.model_config.vocab_size)
 
     def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
         than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
-        if width > self.config.max_num_seqs:
-            field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
-                     else "best_of" if width > params.n else "n")
-            raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
-                                      f"than max_num_seqs={self.config.max_num_seqs}; lower it or raise max_num_seqs")
-        if getattr(params, "bad_words", ()) and self.tokenizer is None:
-            raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
-        vocab = self.model_config.vocab_size
-        for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
-                           ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"request {request_id!r}: {field} token ids {bad[:5]} are outside the "
-                                          f"vocabulary [0, {vocab})")
+        input_checks.check_params(params, request_id, max_num_seqs=self.config.max_num_seqs,
+                                  vocab_size=self.model_config.vocab_size, tokenizer=self.tokenizer)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""
@@ -262,16 +237,16 @@ class LLMEngine:
         try:
             if ahead is not None and async_scheduling.computed(ahead.works, plan):
                 blocks_moved = True
-                launched = ahead.launched
+                in_flight = ahead.in_flight
                 self.counters.lookahead_steps += 1
             else:
                 self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
                 blocks_moved = True
-                launched = self._launch(plan.scheduled) if plan.scheduled else None
-            if launched is not None and self._async and \
+                in_flight = self._dispatch(plan.scheduled) if plan.scheduled else None
+            if in_flight is not None and self._async and \
                     async_scheduling.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
-                self._lookahead = self._dispatch_lookahead(plan.scheduled, launched)
-            actions = self._record(launched, touched) if launched is not None else []
+                self._lookahead = self._dispatch_lookahead(plan.scheduled, in_flight)
+            actions = self._record(in_flight, touched) if in_flight is not None else []
             self.state = scheduler.update(self.state, actions)
         except BaseException as error:
             self._lookahead = None
@@ -312,7 +287,7 @@ class LLMEngine:
             self.state = scheduler.initial_state(self.scheduler_config)
         log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
-    def _launch(self, works) -> async_scheduling.Launched | None:
+    def _dispatch(self, works) -> async_scheduling.InFlightStep | None:
         """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
         which wait for the logits); None when nothing samples."""
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
@@ -321,62 +296,50 @@ class LLMEngine:
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
         if prompt_rows:
-            self._record_prompt_logprobs(out.logits, prompt_rows)
+            self._output_processor.record_prompt_logprobs(out.logits, prompt_rows)
         if not rows:
             return None
         tables = tuple(work.block_table for work in works)
         if argmax_only and out.argmax is not None and [row.logits_row for row in rows] == list(range(len(rows))):
             # The decode program took each row's arg-max already: no sampler program to wait on.
-            return async_scheduling.Launched(tuple(rows), sampling_rows.model_argmax(out.argmax), inputs, None,
-                                      out.following, tables)
+            return async_scheduling.InFlightStep(tuple(rows), sampling_rows.model_argmax(out.argmax), inputs, None,
+                                                 out.next_inputs, tables)
         # Padded to the logits' rows when the warm-up compiled that size; otherwise (the token
         # buckets of prompt logprobs, thousands of rows) to no fewer than the smallest it did.
         logits = out.logits
         pad_to = logits.shape[0] if logits.shape[0] in self._sampler_sizes else min(self._sampler_sizes)
         sampled, batch = sampling_rows.dispatch(logits, rows, pad_to=pad_to)
-        return async_scheduling.Launched(tuple(rows), sampled, inputs, batch, out.following, tables)
+        return async_scheduling.InFlightStep(tuple(rows), sampled, inputs, batch, out.next_inputs, tables)
 
-    def _dispatch_lookahead(self, works, launched: async_scheduling.Launched) -> async_scheduling.Lookahead | None:
+    def _dispatch_lookahead(self, works, in_flight: async_scheduling.InFlightStep) -> async_scheduling.Lookahead | None:
         """Dispatch the decode after ``works`` (see :func:`engine.async_scheduling.eligible`), its input
-        tokens ``launched``'s samples on the device. None when the step picked its logits rows,
+        tokens ``in_flight``'s samples on the device. None when the step picked its logits rows,
         or padded its samples to another size."""
-        tokens, inputs = launched.sampled.tokens, launched.inputs
+        tokens, inputs = in_flight.sampled.tokens, in_flight.inputs
         if inputs.pick or tokens.shape != inputs.input_ids.shape:
             return None
-        following = launched.following if launched.following is not None else self.runner.advance(inputs)
+        next_inputs = in_flight.next_inputs if in_flight.next_inputs is not None else self.runner.advance(inputs)
         tables = tuple(work.block_table for work in works)
-        if tables != launched.block_tables:  # the scheduler reserved blocks since: the next slots may be there
-            following = self.runner.with_tables_of(following, works)
-        inputs = following.replace(input_ids=tokens)
+        if tables != in_flight.block_tables:  # the scheduler reserved blocks since: the next slots may be there
+            next_inputs = self.runner.with_tables_of(next_inputs, works)
+        inputs = next_inputs.replace(input_ids=tokens)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
-        if launched.batch is None:  # the same program as ``launched``'s, so the arg-max is there
+        if in_flight.batch is None:  # the same program as ``in_flight``'s, so the arg-max is there
             sampled, batch = sampling_rows.model_argmax(out.argmax), None
         else:
-            sampled, batch = sampling_rows.dispatch_next(out.logits, launched.batch)
-        rows = launched.rows
+            sampled, batch = sampling_rows.dispatch_next(out.logits, in_flight.batch)
+        rows = in_flight.rows
         if any(row.logits_row != i for i, row in enumerate(rows)):
             rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
-        return async_scheduling.Lookahead(async_scheduling.next_works(works),
-                                   async_scheduling.Launched(rows, sampled, inputs, batch, out.following, tables))
+        return async_scheduling.Lookahead(
+            async_scheduling.next_works(works),
+            async_scheduling.InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables))
 
-    def _record(self, launched: async_scheduling.Launched, touched) -> list:
-        """Wait for ``launched``'s tokens and record them; the scheduler's actions that follow."""
-        rows = launched.rows
-        sampled = sampling_rows.fetch(launched.sampled, len(rows))
-        actions, next_child = [], self.state.next_seq_id
-        by_request: dict[str, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_request.setdefault(row.request.request_id, []).append(i)
-        for request_id, indices in by_request.items():
-            request = self.requests[request_id]
-            touched[request_id] = request
-            if request.is_beam_search:
-                by_seq = {rows[i].seq_id: i for i in indices}
-                new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
-                actions += new_actions
-            else:
-                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
-        return actions
+    def _record(self, in_flight: async_scheduling.InFlightStep, touched) -> list:
+        """Wait for ``in_flight``'s tokens and record them; the scheduler's actions that follow."""
+        rows = in_flight.rows
+        sampled = sampling_rows.fetch(in_flight.sampled, len(rows))
+        return self._output_processor.record(rows, sampled, self.requests, self.state.next_seq_id, touched)
 
     def _logits_plan(self, works):
         """Which token rows need logits: the last of every sampling work (one sampler row per
@@ -395,101 +358,10 @@ class LLMEngine:
             cursor += n
         return logits_tokens, rows, prompt_rows
 
-    def _sample_step(self, request: RequestState, rows, indices, sampled) -> list:
-        actions = []
-        for row, i in zip(rows, indices):
-            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
-            step_logprobs = None
-            tokenizer = self._detokenizer(request)
-            if request.num_logprobs is not None:
-                step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[i])),
-                                               sampled.top_tokens[i, : request.num_logprobs].tolist(),
-                                               sampled.top_logprobs[i, : request.num_logprobs].tolist())
-            stop = request.record(row.seq_id, token, logprob, step_logprobs, tokenizer)
-            self.counters.generation_tokens += 1
-            actions.append(Append(row.seq_id, token))
-            if stop:
-                reason = request.seqs[row.seq_id].finish_reason
-                actions.append(Finish(row.seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop"
-                                      else SequenceStatus.FINISHED_LENGTH))
-        return actions
-
-    def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
-        """One beam-search step: proposals of every running beam (in the beam search's order),
-        then Append / Fork / Drop so the sequences follow the chosen beams."""
-        params: BeamSearchParams = request.params
-        width = 2 * params.beam_width
-        rows = [row_of_seq[seq_id] for seq_id in request.beam_seq_ids]
-        proposals = [list(zip(sampled.top_tokens[i, :width].tolist(), sampled.top_logprobs[i, :width].tolist()))
-                     for i in rows]
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        request.beams, choices = beam_search.step(
-            request.beams, proposals, width=params.beam_width, eos_token_ids=request.eos_token_ids,
-            ignore_eos=params.ignore_eos, max_tokens=request.max_tokens, length_penalty=params.length_penalty,
-            early_stopping=True)
-        self.counters.generation_tokens += len(rows)
-        old_ids = request.beam_seq_ids
-        if not choices:
-            return [Finish(seq_id, SequenceStatus.FINISHED_STOPPED) for seq_id in old_ids], next_child
-        actions, new_ids, used = [], [], set()
-        for choice in choices:
-            parent = old_ids[choice.parent]
-            if parent in used:
-                actions.append(Fork(parent, next_child, choice.token))
-                new_ids.append(next_child)
-                next_child += 1
-            else:
-                actions.append(Append(parent, choice.token))
-                new_ids.append(parent)
-                used.add(parent)
-        actions += [Drop(seq_id) for seq_id in old_ids if seq_id not in used]
-        request.beam_seq_ids = new_ids
-        return actions, next_child
-
-    def _record_prompt_logprobs(self, logits, prompt_rows) -> None:
-        """Log-probabilities of each prompt token given the ones before it, recorded once per
-        position (a re-prefill after preemption does not record them again)."""
-        for request, work, first_row in prompt_rows:
-            positions = range(work.start, work.start + len(work.token_ids))
-            recorded = len(request.prompt_logprobs) - 1  # positions done (entry 0 is the first token's None)
-            wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
-                      if recorded <= p < len(request.prompt_token_ids) - 1]
-            if not wanted:
-                continue
-            num_top = max(request.params.prompt_logprobs, 1)
-            rows = np.array([r for _, r in wanted], np.int32)
-            next_tokens = np.array([request.prompt_token_ids[p + 1] for p, _ in wanted], np.int32)
-            chosen, ranks, top_tokens, top_logprobs = (
-                np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens, num_top))
-            top = request.params.prompt_logprobs  # 0: the prompt token's own only
-            for j in range(len(wanted)):
-                request.prompt_logprobs.append(token_logprobs(
-                    self._detokenizer(request), (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
-                    top_tokens[j, :top].tolist(), top_logprobs[j, :top].tolist()))
-
-    def _detokenizer(self, request: RequestState):
-        """The tokenizer that turns ``request``'s tokens into text, or None with ``detokenize=False``."""
-        return self.tokenizer if getattr(request.params, "detokenize", True) else None
-
     def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Outputs of the changed requests; finished ones leave the engine."""
-        for group in self.state.finished:
-            request = self.requests.get(group.request_id)
-            if request is None:
-                continue
-            for seq in group.seqs:
-                progress = request.seqs.get(seq.seq_id)
-                if progress is not None and progress.finish_reason is None and seq.status.is_finished:
-                    progress.finish_reason = _FINISH_REASONS.get(seq.status, "stop")
-            touched[group.request_id] = request
-        self.state = dataclasses.replace(self.state, finished=())
-        outputs = []
-        for request_id, request in touched.items():
-            outputs.append(request.output(self.tokenizer))
-            if request.finished:
-                self.requests.pop(request_id, None)
-        return outputs
+        finished, self.state = self.state.finished, dataclasses.replace(self.state, finished=())
+        return self._output_processor.collect(finished, self.requests, touched)
 
     def stats(self) -> scheduler.SchedulerStats:
         return scheduler.stats(self.state)

@@ -31,6 +31,13 @@ from pallas_paged.cache_ops import gather_blocks, scatter_blocks
 log = logging.getLogger(__name__)
 
 
+def kv_cache_spec(model, block_size: int, dtype, num_blocks: int = 1) -> pallas_paged.KVCacheSpec:
+    """The device KV cache of ``num_blocks`` blocks of ``block_size`` tokens in ``dtype`` for
+    ``model`` (a :class:`models.ModelConfig`; how many blocks: :mod:`engine.worker.kv_cache_size`)."""
+    return pallas_paged.KVCacheSpec(num_blocks, block_size, model.num_kv_heads, model.head_dim, model.num_layers,
+                                    jnp.dtype(dtype))
+
+
 def _padded(ids, pool_size: int) -> jax.Array:
     """int32 ids padded with ``pool_size`` (one past the last block) to the next power of two."""
     ids = np.asarray(ids, np.int32)

@@ -107,7 +107,7 @@ class ModelOutput:
 
     logits: jax.Array
     argmax: jax.Array | None = None
-    following: StepInputs | None = None
+    next_inputs: StepInputs | None = None
 
 
 def _abstract(tree):
@@ -196,12 +196,12 @@ class ModelRunner:
         inputs = StepInputs(input_ids, positions, metadata, logits_rows, len(logits_tokens), pick)
         return jax.device_put(inputs, self._inputs)
 
-    def with_tables_of(self, following: StepInputs, works: Sequence[ScheduledGroupWork]) -> StepInputs:
-        """``following``, the inputs of the decode after ``works`` (decodes), with their block
+    def with_tables_of(self, next_inputs: StepInputs, works: Sequence[ScheduledGroupWork]) -> StepInputs:
+        """``next_inputs``, the inputs of the decode after ``works`` (decodes), with their block
         tables and slots from ``works``: for a lookahead when the scheduler gave a sequence its
-        next block (``SchedulerConfig.reserve_next_block``) after ``following`` was computed
+        next block (``SchedulerConfig.reserve_next_block``) after ``next_inputs`` was computed
         on the device from the tables before."""
-        metadata, size = following.metadata, self.block_size
+        metadata, size = next_inputs.metadata, self.block_size
         tables = np.zeros(metadata.block_tables.shape, np.int32)
         slots = np.full(metadata.slot_mapping.shape, -1, np.int32)
         for row, work in enumerate(works):
@@ -209,7 +209,7 @@ class ModelRunner:
             position = work.start + 1
             slots[row] = work.block_table[position // size] * size + position % size
         tables, slots = jax.device_put((tables, slots), self._inputs)
-        return following.replace(metadata=metadata.replace(block_tables=tables, slot_mapping=slots))
+        return next_inputs.replace(metadata=metadata.replace(block_tables=tables, slot_mapping=slots))
 
     def advance(self, inputs: StepInputs) -> StepInputs:
         """What :meth:`prepare` makes of the decodes one position after ``inputs``' (see

@@ -73,10 +73,10 @@ def _advanced(positions, metadata):
     size, tables = metadata.block_size, metadata.block_tables
     assert size > 0, "the metadata's block size is needed to find the next slots"
     real = metadata.slot_mapping >= 0
-    following = positions + 1
-    index = jax.numpy.minimum(following // size, tables.shape[1] - 1)[:, None]  # padding rows stay in the table
-    slots = jax.numpy.take_along_axis(tables, index, axis=1)[:, 0] * size + following % size
-    return (jax.numpy.where(real, following, positions), jax.numpy.where(real, slots, -1),
+    next_positions = positions + 1
+    index = jax.numpy.minimum(next_positions // size, tables.shape[1] - 1)[:, None]  # padding rows stay in the table
+    slots = jax.numpy.take_along_axis(tables, index, axis=1)[:, 0] * size + next_positions % size
+    return (jax.numpy.where(real, next_positions, positions), jax.numpy.where(real, slots, -1),
             jax.numpy.where(metadata.context_lens > 0, metadata.context_lens + 1, 0))
 
 

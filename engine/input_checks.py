@@ -1,0 +1,44 @@
+"""A request's checks before it is queued: ``InvalidRequestError`` for a prompt or parameters
+the engine would refuse, with what to change. Pure functions of the request and the engine's
+limits, so callers on other threads (the server) can check before queueing."""
+
+from __future__ import annotations
+
+from engine.core.scheduler import InvalidRequestError
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+def check_prompt(token_ids: list[int], request_id: str = "", *, max_model_len: int, vocab_size: int) -> None:
+    """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""
+    if not token_ids:
+        raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"request {request_id!r}: the prompt has {len(token_ids)} tokens but max_model_len is "
+            f"{max_model_len}; shorten the prompt or raise max_model_len")
+    vocab = vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {vocab})")
+
+
+def check_params(params: SamplingParams | BeamSearchParams, request_id: str = "", *, max_num_seqs: int,
+                 vocab_size: int, tokenizer) -> None:
+    """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
+    than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
+    width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
+    if width > max_num_seqs:
+        field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
+                 else "best_of" if width > params.n else "n")
+        raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
+                                  f"than max_num_seqs={max_num_seqs}; lower it or raise max_num_seqs")
+    if getattr(params, "bad_words", ()) and tokenizer is None:
+        raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
+    vocab = vocab_size
+    for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
+                       ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"request {request_id!r}: {field} token ids {bad[:5]} are outside the "
+                                      f"vocabulary [0, {vocab})")

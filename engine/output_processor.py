@@ -1,0 +1,147 @@
+"""Output processing: a step's sampled tokens into each request's progress, and the changed
+requests into ``RequestOutput``s (vLLM's ``OutputProcessor``).
+
+    sampled tokens → each request records text, log-probabilities and stops (beam search
+    chooses its beams) → the scheduler's actions → ``RequestOutput``s of the changed requests
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine import beam_search
+from engine.core.scheduler import Append, Drop, Finish, Fork, SequenceStatus
+from engine.outputs import RequestOutput, token_logprobs
+from engine.request_state import RequestState
+from engine.sampling_params import BeamSearchParams
+from engine.worker.sampler import prompt_logprobs
+
+# vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
+_FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINISHED_IGNORED: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
+
+
+class OutputProcessor:
+    """Records sampled tokens into ``RequestState``s, with ``tokenizer`` (None: no text); counts
+    the tokens it records in ``counters.generation_tokens`` (the engine's ``EngineCounters``)."""
+
+    def __init__(self, tokenizer, counters):
+        self.tokenizer = tokenizer
+        self.counters = counters
+
+    def record(self, rows, sampled, requests: dict[str, RequestState], next_child: int, touched) -> list:
+        """Record the tokens ``sampled`` (on the host) for ``rows``; the scheduler's actions that
+        follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request."""
+        actions = []
+        by_request: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_request.setdefault(row.request.request_id, []).append(i)
+        for request_id, indices in by_request.items():
+            request = requests[request_id]
+            touched[request_id] = request
+            if request.is_beam_search:
+                by_seq = {rows[i].seq_id: i for i in indices}
+                new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
+                actions += new_actions
+            else:
+                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
+        return actions
+
+    def _sample_step(self, request: RequestState, rows, indices, sampled) -> list:
+        actions = []
+        for row, i in zip(rows, indices):
+            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
+            step_logprobs = None
+            tokenizer = self._detokenizer(request)
+            if request.num_logprobs is not None:
+                step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[i])),
+                                               sampled.top_tokens[i, : request.num_logprobs].tolist(),
+                                               sampled.top_logprobs[i, : request.num_logprobs].tolist())
+            stop = request.record(row.seq_id, token, logprob, step_logprobs, tokenizer)
+            self.counters.generation_tokens += 1
+            actions.append(Append(row.seq_id, token))
+            if stop:
+                reason = request.seqs[row.seq_id].finish_reason
+                actions.append(Finish(row.seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop"
+                                      else SequenceStatus.FINISHED_LENGTH))
+        return actions
+
+    def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
+        """One beam-search step: proposals of every running beam (in the beam search's order),
+        then Append / Fork / Drop so the sequences follow the chosen beams."""
+        params: BeamSearchParams = request.params
+        width = 2 * params.beam_width
+        rows = [row_of_seq[seq_id] for seq_id in request.beam_seq_ids]
+        proposals = [list(zip(sampled.top_tokens[i, :width].tolist(), sampled.top_logprobs[i, :width].tolist()))
+                     for i in rows]
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.beams, choices = beam_search.step(
+            request.beams, proposals, width=params.beam_width, eos_token_ids=request.eos_token_ids,
+            ignore_eos=params.ignore_eos, max_tokens=request.max_tokens, length_penalty=params.length_penalty,
+            early_stopping=True)
+        self.counters.generation_tokens += len(rows)
+        old_ids = request.beam_seq_ids
+        if not choices:
+            return [Finish(seq_id, SequenceStatus.FINISHED_STOPPED) for seq_id in old_ids], next_child
+        actions, new_ids, used = [], [], set()
+        for choice in choices:
+            parent = old_ids[choice.parent]
+            if parent in used:
+                actions.append(Fork(parent, next_child, choice.token))
+                new_ids.append(next_child)
+                next_child += 1
+            else:
+                actions.append(Append(parent, choice.token))
+                new_ids.append(parent)
+                used.add(parent)
+        actions += [Drop(seq_id) for seq_id in old_ids if seq_id not in used]
+        request.beam_seq_ids = new_ids
+        return actions, next_child
+
+    def record_prompt_logprobs(self, logits, prompt_rows) -> None:
+        """Log-probabilities of each prompt token given the ones before it, recorded once per
+        position (a re-prefill after preemption does not record them again)."""
+        for request, work, first_row in prompt_rows:
+            positions = range(work.start, work.start + len(work.token_ids))
+            recorded = len(request.prompt_logprobs) - 1  # positions done (entry 0 is the first token's None)
+            wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
+                      if recorded <= p < len(request.prompt_token_ids) - 1]
+            if not wanted:
+                continue
+            num_top = max(request.params.prompt_logprobs, 1)
+            rows = np.array([r for _, r in wanted], np.int32)
+            next_tokens = np.array([request.prompt_token_ids[p + 1] for p, _ in wanted], np.int32)
+            chosen, ranks, top_tokens, top_logprobs = (
+                np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens, num_top))
+            top = request.params.prompt_logprobs  # 0: the prompt token's own only
+            for j in range(len(wanted)):
+                request.prompt_logprobs.append(token_logprobs(
+                    self._detokenizer(request), (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
+                    top_tokens[j, :top].tolist(), top_logprobs[j, :top].tolist()))
+
+    def _detokenizer(self, request: RequestState):
+        """The tokenizer that turns ``request``'s tokens into text, or None with ``detokenize=False``."""
+        return self.tokenizer if getattr(request.params, "detokenize", True) else None
+
+    def collect(self, finished, requests: dict[str, RequestState], touched: dict[str, RequestState]
+                ) -> list[RequestOutput]:
+        """Outputs of the changed requests, with the scheduler's ``finished`` groups; finished
+        ones leave ``requests``."""
+        for group in finished:
+            request = requests.get(group.request_id)
+            if request is None:
+                continue
+            for seq in group.seqs:
+                progress = request.seqs.get(seq.seq_id)
+                if progress is not None and progress.finish_reason is None and seq.status.is_finished:
+                    progress.finish_reason = _FINISH_REASONS.get(seq.status, "stop")
+            touched[group.request_id] = request
+        outputs = []
+        for request_id, request in touched.items():
+            outputs.append(request.output(self.tokenizer))
+            if request.finished:
+                requests.pop(request_id, None)
+        return outputs
