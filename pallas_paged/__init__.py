@@ -9,6 +9,12 @@ the same jitted function runs the native kernel (:mod:`pallas_paged.native`)
 on CPU, compiles the Pallas kernel with Triton for CUDA, and on TPU uses a
 Mosaic kernel for decode and an XLA formulation for ragged attention. Where
 the native kernel cannot run, CPUs run the Pallas kernel in interpret mode.
+
+Besides paged attention and the KV block operations, this package holds the project's other
+kernels: the dense matrix products the models run on CPUs (:mod:`pallas_paged.matmul`, over
+``native/matmul.cc``). They are not paged attention, but they are kernels built and
+registered the same way (one native library, one build, XLA FFI), as vLLM keeps its GEMMs
+beside its attention kernels in one ops package; ``models`` calls them and knows no C++.
 """
 
 from __future__ import annotations

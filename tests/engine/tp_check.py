@@ -14,8 +14,8 @@ import tempfile  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.worker import stages  # noqa: E402
 from engine.core.scheduler import ScheduledGroupWork  # noqa: E402
+from engine.worker import stages  # noqa: E402
 from tests.engine.tiny import ENGINE, prompts  # noqa: E402
 from tests.models.tiny_models import write_checkpoint  # noqa: E402
 
