@@ -13,29 +13,24 @@ for a free run while enough blocks are free.
 """
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from engine.core import buddy, prefix_cache
+from engine.core.block_manager_state import BlockManagerConfig
 from engine.core.block_pool import blocks_for
 from engine.core.prefix_cache import PrefixCache
 from engine.core.sequence import Sequence, SequenceGroup
-
-if TYPE_CHECKING:
-    from engine.core.block_manager import BlockManagerConfig
-
-RESERVATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << buddy.order_for(n)
 
 
-def uses_buddy(config: "BlockManagerConfig") -> bool:
+def uses_buddy(config: BlockManagerConfig) -> bool:
     """Whether sequences' blocks are placed by the buddy allocator (the Orca baselines)."""
     return config.reservation != "paged"
 
 
-def reserved_len(config: "BlockManagerConfig", group: SequenceGroup) -> int:
+def reserved_len(config: BlockManagerConfig, group: SequenceGroup) -> int:
     """Slots per sequence the reservation policy holds from admission (0 for `paged`)."""
     if config.reservation == "paged":
         return 0
@@ -95,7 +90,7 @@ class AllocationPlan:
 
 
 def plan_allocation(
-    config: "BlockManagerConfig", cache: PrefixCache, group: SequenceGroup
+    config: BlockManagerConfig, cache: PrefixCache, group: SequenceGroup
 ) -> AllocationPlan:
     """Sequences with identical tokens share every block; sequences that differ (a recomputed
     group with diverged outputs) share the full blocks of their common prefix."""

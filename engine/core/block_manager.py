@@ -9,99 +9,29 @@ token is made private first (copy-on-write), so shared KV is never overwritten.
 Every function is pure: it takes a `BlockManagerState` and returns a new one, plus the block
 operations the cache engine must carry out (copy pairs, swap mappings). Callers check first
 (`can_allocate`, `can_append_slots`, `can_swap_out`, `can_swap_in`); the operations assert.
-Reservation policies and the layout of an admitted group: `engine.core.allocation`.
+Reservation policies and the layout of an admitted group: `engine.core.allocation`; moving a
+group between the device and host pools: `engine.core.block_swap`; the records:
+`engine.core.block_manager_state`.
 """
 
 import collections
 import dataclasses
-import enum
 from collections.abc import Iterable, Mapping
 
 from engine.core import block_pool, buddy, prefix_cache
-from engine.core.allocation import RESERVATIONS, plan_allocation, uses_buddy
-from engine.core.block_pool import BlockPool, empty_pool
+from engine.core.allocation import plan_allocation, uses_buddy
+from engine.core.block_manager_state import (  # noqa: F401 (the records are part of this interface)
+    RESERVATIONS,
+    AllocStatus,
+    BlockManagerConfig,
+    BlockManagerState,
+    ConfigError,
+    SeqBlocks,
+)
+from engine.core.block_pool import empty_pool
 from engine.core.block_stats import BlockManagerStats, stats  # noqa: F401 (part of this interface)
 from engine.core.prefix_cache import PrefixCache, assoc, dissoc, frozen_map
 from engine.core.sequence import Sequence, SequenceGroup
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message says which and what is allowed."""
-
-
-class AllocStatus(enum.Enum):
-    """Whether a request fits: now, after some blocks are freed, or never (too big for the pool)."""
-
-    OK = enum.auto()
-    LATER = enum.auto()
-    NEVER = enum.auto()
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockManagerConfig:
-    """Pool sizes and policies; `watermark`: fraction of device blocks admissions leave free."""
-
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    max_model_len: int
-    watermark: float = 0.01
-    enable_prefix_caching: bool = False
-    reservation: str = "paged"
-
-    def __post_init__(self):
-        for name in ("block_size", "num_device_blocks", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_host_blocks < 0:
-            raise ConfigError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
-        if not 0 <= self.watermark < 1:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.reservation not in RESERVATIONS:
-            raise ConfigError(
-                f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}"
-            )
-        if self.enable_prefix_caching and self.reservation != "paged":
-            raise ConfigError(
-                f"reservation={self.reservation!r} reproduces a baseline of the paper, which has "
-                "no prefix cache; use reservation='paged' with enable_prefix_caching"
-            )
-
-    @property
-    def watermark_blocks(self) -> int:
-        """Device blocks that admissions and swap-ins leave free."""
-        return int(self.watermark * self.num_device_blocks)
-
-    @property
-    def longest_sequence(self) -> int:
-        """Tokens one sequence can hold and still be admitted (or swapped back in) alone."""
-        return (self.num_device_blocks - self.watermark_blocks) * self.block_size
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqBlocks:
-    """The blocks one sequence holds.
-
-    `reserved` are blocks held for its future tokens (orca reservation policies).
-    `cache_entry_ids` name, in the prefix cache, the contents of its leading computed full
-    blocks.
-    """
-
-    block_table: tuple[int, ...]
-    on_device: bool
-    reserved: tuple[int, ...] = ()
-    cache_entry_ids: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockManagerState:
-    """Both pools, every sequence's blocks (by seq_id) and the prefix cache."""
-
-    config: BlockManagerConfig
-    device: BlockPool
-    host: BlockPool
-    seqs: Mapping[int, SeqBlocks]
-    prefix_cache: PrefixCache
 
 
 def initial_state(config: BlockManagerConfig) -> BlockManagerState:
@@ -125,7 +55,10 @@ def num_free_device_blocks(state: BlockManagerState) -> int:
     return block_pool.num_available(state.device, state.prefix_cache)
 
 
-def _take_device(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+# --- pool primitives (also used by engine.core.block_swap) -------------------------------
+
+
+def take_device(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
     """`num_blocks` unreferenced device blocks (one buddy run of one block each, under an Orca
     reservation)."""
     if uses_buddy(state.config):
@@ -153,28 +86,28 @@ def _take_chunk(state: BlockManagerState, num_blocks: int) -> tuple[BlockManager
     """One sequence's blocks at admission: one buddy run under an Orca reservation."""
     if uses_buddy(state.config) and num_blocks:
         return _take_run(state, num_blocks)
-    return _take_device(state, num_blocks)
+    return take_device(state, num_blocks)
 
 
-def _take_host(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
+def take_host(state: BlockManagerState, num_blocks: int) -> tuple[BlockManagerState, tuple]:
     host, blocks = block_pool.take(state.host, num_blocks)
     return dataclasses.replace(state, host=host), blocks
 
 
-def _release_device(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+def release_device(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
     device, cache = block_pool.release_device(state.device, state.prefix_cache, blocks)
     return dataclasses.replace(state, device=device, prefix_cache=cache)
 
 
-def _release_host(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+def release_host(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
     return dataclasses.replace(state, host=block_pool.release(state.host, blocks))
 
 
-def _add_device_refs(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
+def add_device_refs(state: BlockManagerState, blocks: Iterable[int]) -> BlockManagerState:
     return dataclasses.replace(state, device=block_pool.add_refs(state.device, blocks))
 
 
-def _set_seqs(state: BlockManagerState, entries: Mapping[int, SeqBlocks]) -> BlockManagerState:
+def set_seqs(state: BlockManagerState, entries: Mapping[int, SeqBlocks]) -> BlockManagerState:
     return dataclasses.replace(state, seqs=assoc(state.seqs, entries))
 
 
@@ -186,7 +119,7 @@ def num_required_blocks(state: BlockManagerState, group: SequenceGroup) -> int:
     return plan_allocation(state.config, state.prefix_cache, group).num_blocks
 
 
-def _fits(state: BlockManagerState, num_total: int, num_new: int) -> AllocStatus:
+def fits(state: BlockManagerState, num_total: int, num_new: int) -> AllocStatus:
     config = state.config
     if config.num_device_blocks - num_total < config.watermark_blocks:
         return AllocStatus.NEVER
@@ -217,7 +150,7 @@ def can_allocate(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
     plan = plan_allocation(state.config, state.prefix_cache, group)
     evictable = set(state.prefix_cache.evictable)
     num_evictable_hits = sum(1 for hit in plan.hits if hit.block in evictable)
-    status = _fits(state, plan.num_blocks, plan.num_new_blocks + num_evictable_hits)
+    status = fits(state, plan.num_blocks, plan.num_new_blocks + num_evictable_hits)
     if status is AllocStatus.NEVER or not uses_buddy(state.config):
         return status
     placed = _runs_fit(state, plan.chunks)
@@ -250,8 +183,8 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
             cache_entry_ids=tuple(hit.entry_id for hit in plan.hits),
         )
     held = [b for entry in entries.values() for b in entry.block_table + entry.reserved]
-    state = _add_device_refs(state, held)
-    return _set_seqs(state, entries), len(hit_blocks) * state.config.block_size
+    state = add_device_refs(state, held)
+    return set_seqs(state, entries), len(hit_blocks) * state.config.block_size
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -286,8 +219,8 @@ def _take_one(
     """A private block for `entry`: from its reservation, else a fresh one (refcount 1)."""
     if entry.reserved:
         return state, dataclasses.replace(entry, reserved=entry.reserved[1:]), entry.reserved[0]
-    state, (block,) = _take_device(state, 1)
-    return _add_device_refs(state, [block]), entry, block
+    state, (block,) = take_device(state, 1)
+    return add_device_refs(state, [block]), entry, block
 
 
 def append_slot(
@@ -308,11 +241,11 @@ def append_slot(
         table = table + (block,)
     elif state.device.refcounts[table[index]] > 1:
         state, entry, block = _take_one(state, entry)
-        state = _release_device(state, [table[index]])
+        state = release_device(state, [table[index]])
         copy, table = (table[index], block), table[:index] + (block,) + table[index + 1 :]
     if table == entry.block_table:
         return state, None
-    return _set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
+    return set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
 
 
 def can_append_block(state: BlockManagerState, seq_id: int) -> bool:
@@ -327,7 +260,7 @@ def append_block(state: BlockManagerState, seq_id: int) -> BlockManagerState:
     entry = state.seqs[seq_id]
     assert entry.on_device, f"seq {seq_id} is swapped out"
     state, entry, block = _take_one(state, entry)
-    return _set_seqs(state, {seq_id: dataclasses.replace(entry, block_table=entry.block_table + (block,))})
+    return set_seqs(state, {seq_id: dataclasses.replace(entry, block_table=entry.block_table + (block,))})
 
 
 def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> BlockManagerState:
@@ -335,8 +268,8 @@ def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> Blo
     parent = state.seqs[parent_seq_id]
     assert parent.on_device and child_seq_id not in state.seqs
     child = dataclasses.replace(parent, reserved=())
-    state = _add_device_refs(state, parent.block_table)
-    return _set_seqs(state, {child_seq_id: child})
+    state = add_device_refs(state, parent.block_table)
+    return set_seqs(state, {child_seq_id: child})
 
 
 def free(state: BlockManagerState, seq_id: int) -> BlockManagerState:
@@ -346,9 +279,9 @@ def free(state: BlockManagerState, seq_id: int) -> BlockManagerState:
         return state
     blocks = entry.reserved + entry.block_table[::-1]
     if entry.on_device:
-        state = _release_device(state, blocks)
+        state = release_device(state, blocks)
     else:
-        state = _release_host(state, blocks)
+        state = release_host(state, blocks)
     return dataclasses.replace(state, seqs=dissoc(state.seqs, [seq_id]))
 
 
@@ -402,7 +335,7 @@ def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockMa
         seq_id: dataclasses.replace(entry, cache_entry_ids=entry.cache_entry_ids + tuple(ids))
         for (seq_id, entry), ids in zip(entries, chain_ids)
     }
-    return _set_seqs(dataclasses.replace(state, prefix_cache=cache), updated)
+    return set_seqs(dataclasses.replace(state, prefix_cache=cache), updated)
 
 
 def reset_prefix_cache(state: BlockManagerState) -> BlockManagerState:
@@ -413,82 +346,3 @@ def reset_prefix_cache(state: BlockManagerState) -> BlockManagerState:
     assert not cache.by_block, "a cached block is not evictable"
     device = dataclasses.replace(state.device, free=state.device.free + blocks)
     return dataclasses.replace(state, device=device, prefix_cache=cache)
-
-
-# --- swapping -------------------------------------------------------------------------------
-
-
-def _distinct_blocks(state: BlockManagerState, group: SequenceGroup) -> tuple[int, ...]:
-    tables = (state.seqs[seq.seq_id].block_table for seq in group.unfinished_seqs)
-    return tuple(dict.fromkeys(block for table in tables for block in table))
-
-
-def can_swap_out(state: BlockManagerState, group: SequenceGroup) -> bool:
-    """Whether the host pool can take all of the group's device blocks."""
-    return len(_distinct_blocks(state, group)) <= len(state.host.free)
-
-
-def num_swap_in_blocks(state: BlockManagerState, group: SequenceGroup) -> int:
-    """Device blocks a swap-in needs: the group's blocks plus one per sequence for its next
-    token. That is more than the next step takes wherever a table already holds its last
-    token's slot (a last block with room, a block appended ahead), as in vLLM: the slack keeps
-    a group just swapped in from being preempted again at once. (Counting exactly refused no
-    fewer requests in random runs, only later, after more swapping.)"""
-    return len(_distinct_blocks(state, group)) + len(group.unfinished_seqs)
-
-
-def can_swap_in(state: BlockManagerState, group: SequenceGroup) -> AllocStatus:
-    """Whether `num_swap_in_blocks` fit on the device above the watermark (NEVER: not even in
-    an empty pool)."""
-    need = num_swap_in_blocks(state, group)
-    return _fits(state, need, need)
-
-
-def _move(
-    state: BlockManagerState, group: SequenceGroup, to_device: bool
-) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
-    """Move all of the group's blocks to the other pool, keeping their sharing."""
-    sources = _distinct_blocks(state, group)
-    take = _take_device if to_device else _take_host
-    state, targets = take(state, len(sources))
-    mapping = dict(zip(sources, targets))
-    old = {seq.seq_id: state.seqs[seq.seq_id] for seq in group.unfinished_seqs}
-    new = {
-        seq_id: dataclasses.replace(
-            entry,
-            block_table=tuple(mapping[b] for b in entry.block_table),
-            on_device=to_device,
-            reserved=(),
-        )
-        for seq_id, entry in old.items()
-    }
-    released = [b for entry in old.values() for b in entry.reserved + entry.block_table[::-1]]
-    held = [b for entry in new.values() for b in entry.block_table]
-    if to_device:
-        state = _release_host(state, released)
-        state = _add_device_refs(state, held)
-    else:
-        state = _release_device(state, released)
-        state = dataclasses.replace(state, host=block_pool.add_refs(state.host, held))
-    return _set_seqs(state, new), tuple(mapping.items())
-
-
-def swap_out(
-    state: BlockManagerState, group: SequenceGroup
-) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
-    """Move the group's blocks to host, all or nothing; returns (device, host) block pairs.
-
-    Reserved blocks (`SeqBlocks.reserved`, the Orca baselines') are released: they hold no KV.
-    A block appended ahead (`append_block`) is in the table, for the last token, and moves with
-    it. Freed device blocks may be reused in the same step, so the cache engine must copy these
-    pairs out before any other block operation.
-    """
-    assert can_swap_out(state, group)
-    return _move(state, group, to_device=False)
-
-
-def swap_in(
-    state: BlockManagerState, group: SequenceGroup
-) -> tuple[BlockManagerState, tuple[tuple[int, int], ...]]:
-    """Move the group's blocks back to the device; returns (host, device) block pairs."""
-    return _move(state, group, to_device=True)

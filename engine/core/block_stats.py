@@ -3,12 +3,9 @@
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from engine.core.block_manager_state import BlockManagerState
 from engine.core.block_pool import num_available
-
-if TYPE_CHECKING:
-    from engine.core.block_manager import BlockManagerState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +40,7 @@ class BlockManagerStats:
 
 
 def _tokens_per_device_block(
-    state: "BlockManagerState", num_tokens: Mapping[int, int]
+    state: BlockManagerState, num_tokens: Mapping[int, int]
 ) -> tuple[dict[int, int], int]:
     """Tokens held by each block of a device block table, and the summed table lengths."""
     size = state.config.block_size
@@ -58,7 +55,7 @@ def _tokens_per_device_block(
     return tokens, table_len_sum
 
 
-def stats(state: "BlockManagerState", num_tokens: Mapping[int, int]) -> BlockManagerStats:
+def stats(state: BlockManagerState, num_tokens: Mapping[int, int]) -> BlockManagerStats:
     """Accounting snapshot of `state`; `num_tokens` gives, per seq_id on the device, how many
     of its tokens have their KV in the cache. Walks every block table: for metrics, not for
     per-step decisions."""

@@ -3,7 +3,7 @@
 import collections
 import dataclasses
 
-from engine.core import block_manager
+from engine.core import block_manager, block_swap
 from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.scheduler_state import (
@@ -17,7 +17,7 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_un
 
 
 @dataclasses.dataclass(frozen=True)
-class _Step:
+class _PartialPlan:
     """What schedule() has decided so far in one step."""
 
     blocks: BlockManagerState
@@ -34,7 +34,7 @@ class _Step:
     copies: tuple[tuple[int, int], ...] = ()
 
 
-def _work(
+def _group_work(
     blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int,
     do_sample: bool, *, whole_table: bool = False,
 ) -> ScheduledGroupWork:
@@ -67,7 +67,7 @@ def _prefill_work(
         length = min(shared - computed, budget)
         if not length:
             return ()
-        return (_work(blocks, group, seqs, length, computed + length == seqs[0].len),)
+        return (_group_work(blocks, group, seqs, length, computed + length == seqs[0].len),)
     complete = sum(seq.num_uncomputed_tokens for seq in seqs) <= budget
     entries = []
     for seq in seqs:
@@ -76,17 +76,17 @@ def _prefill_work(
             length = min(length - 1, budget)
         if length > 0:
             budget -= length
-            entries.append(_work(blocks, group, (seq,), length, complete))
+            entries.append(_group_work(blocks, group, (seq,), length, complete))
     return tuple(entries)
 
 
-def _join(
-    step: _Step,
+def _add_to_batch(
+    step: _PartialPlan,
     group: SequenceGroup,
     work: tuple[ScheduledGroupWork, ...],
     blocks: BlockManagerState | None = None,
     copies: tuple[tuple[int, int], ...] = (),
-) -> _Step:
+) -> _PartialPlan:
     """Add `group` and its work to the step (with the block state and copies that work needs)."""
     return dataclasses.replace(
         step,
@@ -99,18 +99,18 @@ def _join(
     )
 
 
-def _run_decode(step: _Step, group: SequenceGroup) -> _Step:
+def _schedule_decode(step: _PartialPlan, group: SequenceGroup) -> _PartialPlan:
     """Give every sequence a writable slot for its last token and schedule that token."""
     blocks, copies, work = step.blocks, [], []
     for seq in group.unfinished_seqs:
         assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
         blocks, copy = block_manager.append_slot(blocks, seq)
         copies += [copy] if copy else []
-        work.append(_work(blocks, group, (seq,), 1, do_sample=True, whole_table=True))
-    return _join(step, group, tuple(work), blocks, tuple(copies))
+        work.append(_group_work(blocks, group, (seq,), 1, do_sample=True, whole_table=True))
+    return _add_to_batch(step, group, tuple(work), blocks, tuple(copies))
 
 
-def _run_prefill(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+def _schedule_prefill_chunk(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
     """Schedule the group's next prefill chunk; groups admitted later in the step may share the
     full blocks it completes (with prefix caching)."""
     budget = config.max_num_batched_tokens - step.num_tokens
@@ -118,16 +118,17 @@ def _run_prefill(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> 
     blocks, seqs = step.blocks, {seq.seq_id: seq for seq in group.unfinished_seqs}
     for entry in work:
         blocks = block_manager.mark_scheduled(blocks, seqs[entry.seq_ids[0]], entry.context_len)
-    return _join(step, group, work, blocks)
+    return _add_to_batch(step, group, work, blocks)
 
 
-def _run(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+def _schedule_group(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
+    """Schedule the group's next prefill chunk, or its decode tokens."""
     if group.in_prefill:
-        return _run_prefill(step, group, config)
-    return _run_decode(step, group)
+        return _schedule_prefill_chunk(step, group, config)
+    return _schedule_decode(step, group)
 
 
-def _has_room(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> bool:
+def _has_room(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> bool:
     """Whether the step's sequence and token budgets can take `group` (a prefill needs at
     least one token, a decode one per sequence)."""
     num_seqs = len(group.unfinished_seqs)
@@ -153,13 +154,13 @@ def _free_group(blocks: BlockManagerState, group: SequenceGroup) -> BlockManager
     return blocks
 
 
-def _preempt(step: _Step, group: SequenceGroup, mode: str | None) -> _Step:
+def _preempt(step: _PartialPlan, group: SequenceGroup, mode: str | None) -> _PartialPlan:
     """Swap the group out (mode "swap", or automatic with several sequences) if the host pool
     can take it, else free its blocks to recompute it later."""
     step = dataclasses.replace(step, preempted=step.preempted + (group.request_id,))
     use_swap = mode == "swap" or (mode is None and len(group.unfinished_seqs) > 1)
-    if use_swap and block_manager.can_swap_out(step.blocks, group):
-        blocks, pairs = block_manager.swap_out(step.blocks, group)
+    if use_swap and block_swap.can_swap_out(step.blocks, group):
+        blocks, pairs = block_swap.swap_out(step.blocks, group)
         group = set_unfinished_status(group, SequenceStatus.SWAPPED)
         return dataclasses.replace(
             step, blocks=blocks, to_swapped=step.to_swapped + (group,),
@@ -171,11 +172,11 @@ def _preempt(step: _Step, group: SequenceGroup, mode: str | None) -> _Step:
     )
 
 
-def _schedule_running(state: SchedulerState) -> _Step:
+def _schedule_running(state: SchedulerState) -> _PartialPlan:
     """Keep running groups in FCFS order; a decoding group that cannot get its slots preempts
     the most recently arrived groups (itself last). Prefills continue within the token budget
     left after all decodes."""
-    step, queue = _Step(blocks=state.blocks), collections.deque(state.running)
+    step, queue = _PartialPlan(blocks=state.blocks), collections.deque(state.running)
     prefilling = []
     while queue:
         group = queue.popleft()
@@ -188,13 +189,13 @@ def _schedule_running(state: SchedulerState) -> _Step:
             if victim is group:
                 break
         else:
-            step = _run_decode(step, group)
+            step = _schedule_decode(step, group)
     for group in prefilling:
-        step = _run_prefill(step, group, state.config)
+        step = _schedule_prefill_chunk(step, group, state.config)
     return step
 
 
-def _reserve_next_blocks(step: _Step, config: SchedulerConfig) -> _Step:
+def _reserve_next_blocks(step: _PartialPlan, config: SchedulerConfig) -> _PartialPlan:
     """Give each decode whose next token opens a block that block now, from the free list
     (`SchedulerConfig.reserve_next_block`); the decode's work then names it. Not for groups that
     may fork (beam search: a fork would share the block only to copy it), and only for a
@@ -213,7 +214,7 @@ def _reserve_next_blocks(step: _Step, config: SchedulerConfig) -> _Step:
     return dataclasses.replace(step, blocks=blocks, work=tuple(works))
 
 
-def _ignore(step: _Step, group: SequenceGroup, reason: str) -> _Step:
+def _ignore(step: _PartialPlan, group: SequenceGroup, reason: str) -> _PartialPlan:
     """Finish a group that can never run, releasing whatever it holds."""
     blocks = _free_group(step.blocks, group)
     group = set_unfinished_status(group, SequenceStatus.FINISHED_IGNORED)
@@ -240,15 +241,15 @@ def _with_reason(
 def _swap_in_status(
     blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
 ) -> tuple[AllocStatus, str]:
-    status = block_manager.can_swap_in(blocks, group)
-    return _with_reason(blocks, group, status, block_manager.num_swap_in_blocks, "resume")
+    status = block_swap.can_swap_in(blocks, group)
+    return _with_reason(blocks, group, status, block_swap.num_swap_in_blocks, "resume")
 
 
-def _swap_in(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
-    blocks, pairs = block_manager.swap_in(step.blocks, group)
+def _swap_in(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
+    blocks, pairs = block_swap.swap_in(step.blocks, group)
     group = set_unfinished_status(group, SequenceStatus.RUNNING)
     step = dataclasses.replace(step, blocks=blocks, swap_in=step.swap_in + pairs)
-    return _run(step, group, config)
+    return _schedule_group(step, group, config)
 
 
 def _admission_status(
@@ -266,7 +267,7 @@ def _admission_status(
     return _with_reason(blocks, group, status, block_manager.num_required_blocks, "start")
 
 
-def _admit(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
+def _admit(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
     """Allocate the group's blocks (prefix-cache hits count as computed) and start its prefill."""
     blocks, num_cached_tokens = block_manager.allocate(step.blocks, group)
     seqs = tuple(
@@ -277,12 +278,12 @@ def _admit(step: _Step, group: SequenceGroup, config: SchedulerConfig) -> _Step:
         for seq in group.seqs
     )
     group = dataclasses.replace(group, seqs=seqs, in_prefill=True)
-    return _run_prefill(dataclasses.replace(step, blocks=blocks), group, config)
+    return _schedule_prefill_chunk(dataclasses.replace(step, blocks=blocks), group, config)
 
 
 def _take_in_order(
-    step: _Step, queue: tuple[SequenceGroup, ...], config: SchedulerConfig, status_of, enter
-) -> tuple[_Step, tuple[SequenceGroup, ...]]:
+    step: _PartialPlan, queue: tuple[SequenceGroup, ...], config: SchedulerConfig, status_of, enter
+) -> tuple[_PartialPlan, tuple[SequenceGroup, ...]]:
     """Run groups from the front of `queue` in FCFS order; returns the groups left in it.
 
     `status_of(blocks, group, config)` gives an AllocStatus and, for NEVER, the reason: such a

@@ -96,7 +96,7 @@ class LLM:
         """
         prompts = _as_list(prompts)
         params = _params_for(prompts, sampling_params or SamplingParams(), SamplingParams, "LLM.beam_search")
-        return self._run([(prompt, p) for prompt, p in zip(prompts, params)], use_tqdm)
+        return self._run_engine([(prompt, p) for prompt, p in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
@@ -134,8 +134,8 @@ class LLM:
         ``beam_width`` best, best first, each with the prompt's tokens then its own, and the
         text of them all."""
         prompts = _as_list(prompts)
-        outputs = self._run(list(zip(prompts, _params_for(prompts, params, BeamSearchParams, "LLM.generate"))),
-                            use_tqdm)
+        params = _params_for(prompts, params, BeamSearchParams, "LLM.generate")
+        outputs = self._run_engine(list(zip(prompts, params)), use_tqdm)
         return [_beam_search_output(out, self.engine.tokenizer) for out in outputs]
 
     def reset_prefix_cache(self) -> bool:
@@ -151,7 +151,7 @@ class LLM:
                           blocks.host_blocks_free, stats.num_preemptions, blocks.prefix_cache_hits,
                           blocks.prefix_cache_queries, blocks.blocks_saved_by_sharing)
 
-    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         """Queue ``requests`` and step until all are done. If anything raises (a bad prompt
         type, a failed step, Ctrl-C), this call's requests are aborted before it propagates,
         so none of them holds blocks or runs in a later call."""

@@ -6,29 +6,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import jinja2
 
 from engine.core.scheduler import InvalidRequestError
 from engine.entrypoints.async_engine import AsyncLLMEngine
-from engine.entrypoints.protocol import ChatRequest, CompletionRequest
+from engine.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError, response_id
+from engine.entrypoints.streaming import ChoiceProgress, chunk_writer, ending_with_errors, includes_usage
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
-
-log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request that cannot be served; ``status`` is the HTTP code (400 unless said otherwise)."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
 
 
 class OpenAIServing:
@@ -122,24 +110,24 @@ class OpenAIServing:
                 logprobs = None if request.logprobs is None else self._completion_logprobs(shown, request.logprobs)
                 choices.append({"index": prompt_index * request.n + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+        return {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, finals)}
 
     def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
         model, plans = self.plan_completion(request)
-        return _ending_with_errors(self._completion_chunks(request, model, plans))
+        return ending_with_errors(self._completion_chunks(request, model, plans))
 
     async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = _chunk_writer("cmpl", "text_completion", model, _includes_usage(request))
-        sent: dict[tuple[int, int], _Sent] = {}
+        chunk = chunk_writer("cmpl", "text_completion", model, includes_usage(request))
+        sent: dict[tuple[int, int], ChoiceProgress] = {}
         finals = {}
 
         async for prompt_index, output in self._merged(plans, "cmpl", functools.partial(_shown, request=request)):
             for c in output.outputs:
                 key = (prompt_index, c.index)
                 first = key not in sent
-                progress = sent.setdefault(key, _Sent())
+                progress = sent.setdefault(key, ChoiceProgress())
                 prefix = self._decode(plans[prompt_index][0]) if request.echo and first else ""
                 delta = progress.delta(c)
                 if progress.done or not (prefix or delta.text or c.finish_reason):
@@ -155,7 +143,7 @@ class OpenAIServing:
                               "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if output.finished:
                 finals[prompt_index] = output
-        if _includes_usage(request):
+        if includes_usage(request):
             yield chunk([], _usage(plans, [finals[i] for i in range(len(plans))]))
         yield "data: [DONE]\n\n"
 
@@ -189,23 +177,23 @@ class OpenAIServing:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, request.top_logprobs) if request.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
-        return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+        return {"id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, [output])}
 
     def chat_stream(self, request: ChatRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
         model, plans = self.plan_chat(request)
-        return _ending_with_errors(self._chat_chunks(request, model, plans))
+        return ending_with_errors(self._chat_chunks(request, model, plans))
 
     async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = _chunk_writer("chatcmpl", "chat.completion.chunk", model, _includes_usage(request))
-        sent: dict[int, _Sent] = {}
+        chunk = chunk_writer("chatcmpl", "chat.completion.chunk", model, includes_usage(request))
+        sent: dict[int, ChoiceProgress] = {}
         final = None
 
         async for _, output in self._merged(plans, "chatcmpl"):
             for c in output.outputs:
                 if c.index not in sent:
-                    sent[c.index] = _Sent()
+                    sent[c.index] = ChoiceProgress()
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 progress = sent[c.index]
@@ -218,7 +206,7 @@ class OpenAIServing:
                               "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             final = output
-        if _includes_usage(request):
+        if includes_usage(request):
             yield chunk([], _usage(plans, [final]))
         yield "data: [DONE]\n\n"
 
@@ -232,7 +220,7 @@ class OpenAIServing:
 
         async def pump(index, ids, params):
             try:
-                async for output in self.engine.generate(ids, params, _id(prefix)):
+                async for output in self.engine.generate(ids, params, response_id(prefix)):
                     output = shown(output) if shown is not None else output
                     await queue.put((index, output))
                     if output.finished:
@@ -294,7 +282,8 @@ class OpenAIServing:
         steps = c.logprobs or [{} for _ in c.token_ids]
         return {"tokens": tokens,
                 "token_logprobs": [None if step is None else step.get(t) for step, t in zip(steps, c.token_ids)],
-                "top_logprobs": [None if step is None else {self._token_text(k): v for k, v in _top(step, t, num_top)}
+                "top_logprobs": [None if step is None
+                                 else {self._token_text(k): v for k, v in as_legacy_top(step, t, num_top)}
                                  for step, t in zip(steps, c.token_ids)],
                 "text_offset": offsets}
 
@@ -307,40 +296,21 @@ class OpenAIServing:
         steps = c.logprobs or [{} for _ in c.token_ids]
         content = []
         for token, step in zip(c.token_ids, steps):
-            tops = _best(step, num_top or 0)
+            tops = most_likely(step, num_top or 0)
             content.append({**entry(token, step.get(token)), "top_logprobs": [entry(k, v) for k, v in tops]})
         return {"content": content}
 
 
-@dataclasses.dataclass
-class _Sent:
-    """What a stream has sent of one choice: characters, tokens, the legacy logprobs' text
-    offset, and whether its finishing chunk went out."""
-
-    chars: int = 0
-    tokens: int = 0
-    text_offset: int = 0
-    done: bool = False
-
-    def delta(self, c: CompletionOutput) -> CompletionOutput:
-        """The part of ``c`` not sent yet."""
-        return CompletionOutput(c.index, c.text[self.chars:], c.token_ids[self.tokens:], None,
-                                None if c.logprobs is None else c.logprobs[self.tokens:])
-
-    def advance(self, c: CompletionOutput) -> None:
-        self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
-
-
-def _best(step: dict, count: int) -> list[tuple[int, float]]:
+def most_likely(step: dict, count: int) -> list[tuple[int, float]]:
     """The ``count`` most likely (token, logprob) pairs of a step's entry, best first."""
     return sorted(step.items(), key=lambda kv: -kv[1])[:count]
 
 
-def _top(step: dict, token: int, count: int) -> list[tuple[int, float]]:
+def as_legacy_top(step: dict, token: int, count: int) -> list[tuple[int, float]]:
     """A step's entry as the legacy ``top_logprobs`` shows it: the chosen token, then the
     ``count`` most likely."""
     chosen = [(token, step[token])] if token in step else []
-    return chosen + [kv for kv in _best(step, count) if kv[0] != token]
+    return chosen + [kv for kv in most_likely(step, count) if kv[0] != token]
 
 
 def _last(ids: list[int], keep: int | None) -> list[int]:
@@ -358,53 +328,6 @@ def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:
                                  logprobs=None if c.logprobs is None else (),
                                  finish_reason=c.finish_reason and "length") for c in output.outputs]
     return dataclasses.replace(output, outputs=tuple(empty))
-
-
-def error_body(message: str, status: int, kind: str) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-async def _ending_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``chunks``; if producing them fails once streaming has begun (the status line is sent),
-    an error event and ``[DONE]`` end the stream instead of a cut connection, as vLLM does."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except RequestError as error:
-        yield _sse(error_body(str(error), error.status, error.kind))
-        yield "data: [DONE]\n\n"
-    except Exception as error:  # noqa: BLE001 - the client gets it, the log gets the traceback
-        log.exception("stream failed")
-        yield _sse(error_body(str(error), 500, "internal_server_error"))
-        yield "data: [DONE]\n\n"
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
-def _chunk_writer(prefix: str, kind: str, model: str, with_usage: bool = False):
-    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id. With
-    ``with_usage`` (``stream_options.include_usage``) every chunk has a ``usage`` field, null
-    but in the last, as OpenAI documents."""
-    request_id, created = _id(prefix), int(time.time())
-
-    def chunk(choices, usage=None):
-        body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
-        if with_usage or usage is not None:
-            body["usage"] = usage
-        return _sse(body)
-
-    return chunk
-
-
-def _includes_usage(request) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
 
 
 def _usage(plans, finals) -> dict:

@@ -1,8 +1,10 @@
-"""OpenAI's request bodies (with vLLM's extra sampling fields) and how they map to our params."""
+"""OpenAI's request bodies (with vLLM's extra sampling fields) and how they map to our params;
+its error object and ids."""
 
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -227,3 +229,21 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; ``status`` is the HTTP code (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def error_body(message: str, status: int, kind: str) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def response_id(prefix: str) -> str:
+    """A fresh id for a response or request, as OpenAI writes them (``cmpl-...``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"

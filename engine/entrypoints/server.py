@@ -22,8 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import EngineConfig
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.metrics import Metrics
-from engine.entrypoints.openai_serving import OpenAIServing, RequestError, error_body
-from engine.entrypoints.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    error_body,
+)
 from engine.llm_engine import LLMEngine
 from engine.worker import kv_cache_size
 

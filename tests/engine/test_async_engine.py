@@ -9,8 +9,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
-from engine.entrypoints.openai_serving import OpenAIServing, RequestError
-from engine.entrypoints.protocol import CompletionRequest
+from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.protocol import CompletionRequest, RequestError
 from tests.engine.test_llm_requests import _fail_on_call
 from tests.engine.tiny import prompts, tiny_llm
 

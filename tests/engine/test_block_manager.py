@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from engine.core import block_manager, prefix_cache
+from engine.core import block_manager, block_swap, prefix_cache
 from engine.core.block_manager import AllocStatus, BlockManagerConfig, ConfigError
 from engine.core.sequence import Sequence, SequenceGroup
 
@@ -115,13 +115,13 @@ def test_swap_out_and_in_keep_sharing():
     group = make_group(range(6), num_seqs=2)
     state, _ = block_manager.allocate(block_manager.initial_state(make_config()), group)
     state, _ = block_manager.append_slot(state, grow(group.seqs[0], 1))
-    assert block_manager.can_swap_out(state, group)
-    state, pairs = block_manager.swap_out(state, group)
+    assert block_swap.can_swap_out(state, group)
+    state, pairs = block_swap.swap_out(state, group)
     assert pairs == ((0, 0), (2, 1), (1, 2))
     assert block_manager.num_free_device_blocks(state) == 8
     assert state.host.refcounts[:3] == (2, 1, 1)
-    assert block_manager.can_swap_in(state, group) is AllocStatus.OK
-    state, pairs = block_manager.swap_in(state, group)
+    assert block_swap.can_swap_in(state, group) is AllocStatus.OK
+    state, pairs = block_swap.swap_in(state, group)
     assert [host for host, _ in pairs] == [0, 1, 2]
     assert state.device.refcounts.count(0) == 5 and len(state.host.free) == 8
     assert block_manager.block_table(state, 0)[0] == block_manager.block_table(state, 1)[0]
@@ -130,11 +130,11 @@ def test_swap_out_and_in_keep_sharing():
 def test_swapping_is_all_or_nothing():
     group = make_group(range(12))
     state, _ = block_manager.allocate(block_manager.initial_state(make_config(num_host_blocks=2)), group)
-    assert not block_manager.can_swap_out(state, group)
+    assert not block_swap.can_swap_out(state, group)
     small = block_manager.initial_state(make_config(num_device_blocks=3, num_host_blocks=8))
     small, _ = block_manager.allocate(small, group)
-    small, _ = block_manager.swap_out(small, group)
-    assert block_manager.can_swap_in(small, group) is AllocStatus.NEVER  # 3 blocks + 1 to grow > 3
+    small, _ = block_swap.swap_out(small, group)
+    assert block_swap.can_swap_in(small, group) is AllocStatus.NEVER  # 3 blocks + 1 to grow > 3
 
 
 def test_stats_count_waste_and_sharing():

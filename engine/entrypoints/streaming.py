@@ -1,0 +1,75 @@
+"""Streaming pieces of the OpenAI server: server-sent events, chunks with a fixed id, what a stream
+has sent of each choice, and errors after the stream has begun."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine.entrypoints.protocol import RequestError, error_body, response_id
+from engine.outputs import CompletionOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ChoiceProgress:
+    """What a stream has sent of one choice: characters, tokens, the legacy logprobs' text
+    offset, and whether its finishing chunk went out."""
+
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+    def delta(self, c: CompletionOutput) -> CompletionOutput:
+        """The part of ``c`` not sent yet."""
+        return CompletionOutput(c.index, c.text[self.chars:], c.token_ids[self.tokens:], None,
+                                None if c.logprobs is None else c.logprobs[self.tokens:])
+
+    def advance(self, c: CompletionOutput) -> None:
+        """Record ``c`` as sent."""
+        self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+
+
+def includes_usage(request) -> bool:
+    """Whether the client asked for a ``usage`` chunk (``stream_options.include_usage``)."""
+    return bool(request.stream_options and request.stream_options.include_usage)
+
+
+async def ending_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``chunks``; if producing them fails once streaming has begun (the status line is sent),
+    an error event and ``[DONE]`` end the stream instead of a cut connection, as vLLM does."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except RequestError as error:
+        yield sse(error_body(str(error), error.status, error.kind))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # noqa: BLE001 - the client gets it, the log gets the traceback
+        log.exception("stream failed")
+        yield sse(error_body(str(error), 500, "internal_server_error"))
+        yield "data: [DONE]\n\n"
+
+
+def sse(body: dict) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def chunk_writer(prefix: str, kind: str, model: str, with_usage: bool = False):
+    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id. With
+    ``with_usage`` (``stream_options.include_usage``) every chunk has a ``usage`` field, null
+    but in the last, as OpenAI documents."""
+    request_id, created = response_id(prefix), int(time.time())
+
+    def chunk(choices, usage=None):
+        body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+        if with_usage or usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    return chunk
