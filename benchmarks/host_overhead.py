@@ -1,0 +1,376 @@
+"""Host (Python) cost per decode step: a model so small that the device does almost nothing.
+
+    PYTHONPATH=. python -m benchmarks.host_overhead [--quick] [--num-seqs 64,256] [--rounds N]
+    PYTHONPATH=. python -m benchmarks.host_overhead --num-seqs 256 --profile 20   # cProfile, nothing written
+
+Model: ``tests.models.tiny_models``' random ``llama_gqa_tied`` (2 layers, hidden 64, 4 heads,
+2 KV heads, vocabulary 256), float32. Workload: N requests of 32 random prompt tokens, all
+submitted at once, each decoding exactly 64 tokens (``ignore_eos``), in two modes: greedy,
+and seeded sampling (temperature 0.8, top_p 0.9, a seed per request). One engine per N, with
+``max_num_seqs`` N and KV blocks for every sequence at full length (no preemption), the other
+settings the engine's defaults (async scheduling, prefix caching, 2048 tokens per step, so
+prompts are prefilled 64 at a time). ``LLMEngine.step()`` is driven directly: a first pass over
+other prompts of the same shapes compiles every program the timed passes run (and leaves its
+blocks in the prefix cache, evictable, so the timed passes take their blocks by evicting, as a
+server does once its cache has filled), then each round times every step with
+``time.perf_counter``. Only the steps in which every one of the N sequences decodes count (from
+the step after the last prefill to the one in which the first requests generate their last
+token): the median and 90th percentile over those steps of every round, per step and per step
+per 1000 sequences. The table also gives the model alone: ``ModelRunner.run`` on a decode of N
+rows (one arg-max per row), dispatch to result; the rest of a step is the host's.
+
+The targets (issue 40, printed beside the numbers, not enforced): at most 1.5 ms per decode
+step at N=256, and N=512 at most 2.1 times N=256.
+
+Engines with a ``num_scheduler_steps`` setting (multi-step scheduling) get it from
+``--num-scheduler-steps`` and a column per generated step (an engine step then generates
+several tokens per sequence); this engine has none yet, so the column is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import itertools
+import os
+import pathlib
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import offline
+from benchmarks.gpu_report import header
+from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.core.scheduler import ScheduledGroupWork
+from tests.models.tiny_models import TINY_CONFIGS, write_checkpoint
+
+MODEL = "llama_gqa_tied"
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 64
+BLOCK_SIZE = 16
+COUNTS = {False: (64, 256, 512, 1024), True: (64, 256)}  # by --quick
+ROUNDS = {False: 3, True: 2}
+MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.9)}
+TARGET_MS = {256: 1.5}  # ms per decode step at N
+TARGET_RATIO = (512, 256, 2.1)  # N=512 at most 2.1 times N=256
+MULTI_STEP = "num_scheduler_steps"  # the setting multi-step scheduling would add to EngineConfig
+
+
+def multi_step_supported() -> bool:
+    """Whether the engine has multi-step scheduling (an ``EngineConfig.num_scheduler_steps``)."""
+    return MULTI_STEP in {field.name for field in dataclasses.fields(EngineConfig)}
+
+
+def engine_settings(count: int, output_tokens: int, num_scheduler_steps: int = 1) -> dict:
+    """``LLM`` keyword arguments for ``count`` sequences of ``PROMPT_TOKENS + output_tokens``:
+    room for all of them at full length (and the block each may hold a step early)."""
+    model_len = PROMPT_TOKENS + output_tokens
+    blocks = count * (-(-model_len // BLOCK_SIZE) + 1) + 16
+    settings = dict(max_model_len=model_len, max_num_seqs=count, block_size=BLOCK_SIZE, num_blocks=blocks,
+                    warmup=False, seed=0)
+    if multi_step_supported():
+        settings[MULTI_STEP] = num_scheduler_steps
+    return settings
+
+
+def sampling_params(mode: str, index: int, output_tokens: int) -> SamplingParams:
+    """Exactly ``output_tokens`` tokens; sampled requests seeded by their index."""
+    seed = {"seed": index} if MODES[mode]["temperature"] > 0 else {}
+    return SamplingParams(**MODES[mode], **seed, max_tokens=output_tokens, ignore_eos=True)
+
+
+def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``PROMPT_TOKENS`` random token ids (from 3, past the special ids)."""
+    return np.random.default_rng(seed).integers(3, vocab_size, (count, PROMPT_TOKENS)).tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One pass over the workload: seconds of each step in which every sequence decoded, the
+    tokens each sequence generated in those steps (1 each without multi-step scheduling), and
+    every step's seconds."""
+
+    decode_seconds: list[float]
+    decode_tokens: list[float]
+    all_seconds: list[float]
+
+
+_ids = itertools.count()
+
+
+def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, *,
+             profiler: cProfile.Profile | None = None, profile_steps: int = 0) -> Pass:
+    """Submit every prompt at once, step the engine until all finish, time every step; with
+    ``profiler``, profile the first ``profile_steps`` steps in which every sequence decodes."""
+    engine = llm.engine
+    generated = {}
+    for i, prompt in enumerate(prompts):
+        request_id = f"host-{next(_ids)}"
+        engine.add_request(request_id, prompt, sampling_params(mode, i, output_tokens))
+        generated[request_id] = 0
+    decode_seconds, decode_tokens, all_seconds = [], [], []
+    while engine.has_unfinished_requests():
+        # Every sequence decodes in this step: each has its first token and none has finished.
+        every_one_decodes = all(0 < n < output_tokens for n in generated.values())
+        profiling = profiler is not None and every_one_decodes and len(decode_seconds) < profile_steps
+        if profiling:
+            profiler.enable()
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        if profiling:
+            profiler.disable()
+        before = sum(generated.values())
+        for output in outputs:
+            if output.error:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            generated[output.request_id] = len(output.outputs[0].token_ids)
+        all_seconds.append(seconds)
+        if every_one_decodes:
+            decode_seconds.append(seconds)
+            decode_tokens.append((sum(generated.values()) - before) / len(generated))
+    if any(n != output_tokens for n in generated.values()):
+        raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
+    return Pass(decode_seconds, decode_tokens, all_seconds)
+
+
+def model_alone_ms(llm: LLM, count: int) -> float:
+    """Median ms of ``ModelRunner.run`` on a greedy decode of ``count`` rows (inputs prepared,
+    KV written to block 0, which no request holds: the engine is idle), to its arg-max on the host."""
+    engine = llm.engine
+    works = [ScheduledGroupWork("model-alone", (i,), (5,), PROMPT_TOKENS, (0, 0, 0), False, True)
+             for i in range(count)]
+    inputs = engine.runner.prepare(works, list(range(count)), argmax_only=True)
+
+    def step():
+        out, engine.cache.kv_caches = engine.runner.run(inputs, engine.cache.kv_caches)
+        return out.argmax if out.argmax is not None else out.logits.argmax(-1)
+
+    return time_interleaved({"run": step}, rounds=5, min_seconds=0.05)["run"] * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One (N, mode): step times over every round (seconds), and the model alone (ms)."""
+
+    count: int
+    mode: str
+    decode_seconds: list[float]
+    decode_tokens: list[float]
+    steps_per_pass: int
+    model_ms: float
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.decode_seconds)) * 1e3
+
+    @property
+    def p90_ms(self) -> float:
+        return float(np.percentile(self.decode_seconds, 90)) * 1e3
+
+    @property
+    def ms_per_generated_step(self) -> float:
+        """Median ms per token each sequence generates (an engine step of multi-step scheduling
+        generates ``num_scheduler_steps``)."""
+        return float(np.median(np.array(self.decode_seconds) / np.array(self.decode_tokens))) * 1e3
+
+
+def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int,
+            num_scheduler_steps: int = 1) -> list[Result]:
+    """Both modes for ``count`` sequences, in one engine: a compiling pass per mode, then
+    ``rounds`` timed passes per mode, the modes alternating."""
+    llm = LLM(str(directory), **engine_settings(count, output_tokens, num_scheduler_steps))
+    vocab_size = llm.engine.model_config.vocab_size
+    seeds = itertools.count(1)
+    for mode in MODES:  # compiles: prompts other than the timed ones, so the prefix cache does not hit
+        run_pass(llm, random_prompts(count, vocab_size, next(seeds)), mode, output_tokens)
+    passes = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            passes[mode].append(run_pass(llm, random_prompts(count, vocab_size, next(seeds)), mode, output_tokens))
+    model_ms = model_alone_ms(llm, count)
+    results = []
+    for mode, runs in passes.items():
+        seconds = [s for run in runs for s in run.decode_seconds]
+        tokens = [t for run in runs for t in run.decode_tokens]
+        if not seconds:
+            raise RuntimeError(f"N={count} {mode}: no step in which every sequence decoded")
+        results.append(Result(count, mode, seconds, tokens, len(runs[0].all_seconds), model_ms))
+        print(f"N={count} {mode}: {results[-1].median_ms:.2f} ms per decode step (p90 {results[-1].p90_ms:.2f}) "
+              f"over {len(seconds)} steps; model alone {model_ms:.2f} ms", flush=True)
+    del llm
+    return results
+
+
+def profile(directory: pathlib.Path, count: int, mode: str, steps: int, output_tokens: int,
+            top: int = 30) -> pstats.Stats:
+    """cProfile of ``steps`` decode steps of ``count`` sequences (after a compiling pass), printed
+    sorted by cumulative and by own time, with calls per step."""
+    llm = LLM(str(directory), **engine_settings(count, output_tokens))
+    vocab_size = llm.engine.model_config.vocab_size
+    run_pass(llm, random_prompts(count, vocab_size, 1), mode, output_tokens)
+    profiler = cProfile.Profile()
+    run = run_pass(llm, random_prompts(count, vocab_size, 2), mode, output_tokens, profiler=profiler,
+                   profile_steps=steps)
+    profiled = run.decode_seconds[:steps]
+    print(f"N={count} {mode}: {len(profiled)} decode steps profiled, {np.median(profiled) * 1e3:.2f} ms median "
+          f"under the profiler ({np.median(run.decode_seconds[steps:] or [np.nan]) * 1e3:.2f} ms after it); "
+          f"ncalls / {len(profiled)} = calls per step", flush=True)
+    stats = pstats.Stats(profiler)
+    for key in ("cumulative", "tottime"):
+        stats.sort_stats(key).print_stats(top)
+    return stats
+
+
+def ratio(results: list[Result], mode: str, high: int, low: int) -> float | None:
+    """Median ms per decode step at N=``high`` over N=``low``, if both were measured."""
+    by_count = {r.count: r.median_ms for r in results if r.mode == mode}
+    return by_count[high] / by_count[low] if high in by_count and low in by_count else None
+
+
+def table_rows(results: list[Result], multi_step: bool) -> list[list]:
+    """A row per (mode, N): the numbers, and each target beside the ones it is about."""
+    high, low, limit = TARGET_RATIO
+    rows = []
+    for r in results:
+        target = TARGET_MS.get(r.count)
+        ratio_cell = ""
+        if r.count == high:
+            value = ratio(results, r.mode, high, low)
+            ratio_cell = f"{value:.2f} (target <= {limit})" if value is not None else f"n/a (no N={low})"
+        row = [r.mode, r.count, len(r.decode_seconds), f"{r.median_ms:.2f}", f"{r.p90_ms:.2f}",
+               f"{r.median_ms / r.count * 1000:.2f}", f"{target}" if target else "", ratio_cell,
+               f"{r.model_ms:.2f}"]
+        if multi_step:
+            row.insert(6, f"{r.ms_per_generated_step:.2f}")
+        rows.append(row)
+    return rows
+
+
+def headers(multi_step: bool) -> list[str]:
+    columns = ["mode", "N", "decode steps timed", "median ms/step", "p90 ms/step", "ms/step per 1000 seqs",
+               "target ms/step", f"N={TARGET_RATIO[0]} / N={TARGET_RATIO[1]}", "model alone ms"]
+    if multi_step:
+        columns.insert(6, "median ms per generated step")
+    return columns
+
+
+def machine() -> str:
+    """The CPU's model name and cores, and the load when the benchmark started."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {platform.system()}; {offline.machine_note()}"
+
+
+def revision() -> str:
+    """The checkout's commit, and the engine's files that differ from it (what was measured)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
+                              text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        changed = sorted({line[3:] for line in git("status", "--porcelain", "--", "engine", "models",
+                                                   "pallas_paged").splitlines()})
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{commit} with uncommitted changes to {', '.join(changed)}" if changed else commit
+
+
+def plot(results: list[Result], name: str) -> pathlib.Path:
+    """ms per decode step (median, p90 dashed) and ms per step per 1000 sequences, against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in MODES:
+        mine = sorted((r for r in results if r.mode == mode), key=lambda r: r.count)
+        counts = [r.count for r in mine]
+        (line,) = left.plot(counts, [r.median_ms for r in mine], "o-", label=f"{mode} median")
+        left.plot(counts, [r.p90_ms for r in mine], "--", color=line.get_color(), label=f"{mode} p90")
+        right.plot(counts, [r.median_ms / r.count * 1000 for r in mine], "o-", label=mode)
+    model = sorted({(r.count, r.model_ms) for r in results})
+    left.plot([c for c, _ in model], [ms for _, ms in model], "k:", label="model alone")
+    for count, target in TARGET_MS.items():
+        left.plot([count], [target], "r*", markersize=12, label=f"target at N={count}")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences decoding (N)")
+        ax.legend(fontsize=8)
+    left.set_yscale("log")
+    left.set_ylabel("ms per decode step")
+    right.set_ylabel("ms per step per 1000 sequences")
+    fig.suptitle(f"Engine host cost per decode step, tiny LLaMA ({MODEL}), {PROMPT_TOKENS}-token prompts")
+    path = save_figure(fig, name)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print the table and write it and its plot; return the text."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"N = {', '.join(map(str, COUNTS[True]))} and {ROUNDS[True]} rounds, "
+                             "written to host_overhead_quick.*")
+    parser.add_argument("--num-seqs", default=None, help="comma-separated N, a row each per mode")
+    parser.add_argument("--rounds", type=int, default=None, help="timed passes per N and mode (after one to compile)")
+    parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens each request decodes")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="instead: cProfile STEPS greedy decode steps of the first N (nothing written)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="multi-step scheduling, where the engine has it (it has not yet: ignored)")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.num_seqs.split(",")] if args.num_seqs else list(COUNTS[args.quick])
+    rounds = args.rounds or ROUNDS[args.quick]
+    multi_step = multi_step_supported()
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
+            write_checkpoint(MODEL, folder)
+            profile(pathlib.Path(folder), counts[0], "greedy", args.profile, args.output_tokens)
+        return ""
+    top = header("benchmarks.host_overhead", list(sys.argv[1:] if argv is None else argv))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
+        directory = pathlib.Path(folder)
+        write_checkpoint(MODEL, directory)
+        results = [r for count in counts
+                   for r in measure(directory, count, rounds, args.output_tokens, args.num_scheduler_steps)]
+    results.sort(key=lambda r: (r.mode, r.count))
+    config = TINY_CONFIGS[MODEL]
+    steps = f"{args.num_scheduler_steps} scheduler steps per engine step" if multi_step else (
+        "no multi-step scheduling in this engine, so no per-generated-step column")
+    note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
+            f"Random `{MODEL}` ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary "
+            f"{config['vocab_size']}), float32; N requests of {PROMPT_TOKENS} random prompt tokens, "
+            f"{args.output_tokens} new tokens each (ignore_eos), all submitted at once; max_num_seqs N, KV blocks "
+            f"for all, block size {BLOCK_SIZE}, async scheduling and prefix caching on (the defaults); {steps}. "
+            f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded. `LLMEngine.step()` timed after "
+            f"a compiling pass (whose blocks stay in the prefix cache: the timed passes evict to allocate); only "
+            f"steps in which all N sequences decode, {rounds} passes per row pooled. Model alone: "
+            f"`ModelRunner.run` on a greedy decode of N rows (median). Targets (issue 40): <= {TARGET_MS[256]} ms "
+            f"per decode step at N=256, N={TARGET_RATIO[0]} <= {TARGET_RATIO[2]}x N={TARGET_RATIO[1]}. "
+            f"Took {time.perf_counter() - start:.0f} s.")
+    text = "\n\n".join([top, note, print_table(headers(multi_step), table_rows(results, multi_step))])
+    name = result_name("host_overhead", args.quick)
+    print(f"wrote {save_text(text, name)} and {plot(results, name)}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The host-overhead benchmark, at a tiny size: it prints a row per mode and N, times only the
+steps in which every sequence decodes, and writes its table and plot (no timing is checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import host_overhead, timing
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """benchmarks/results/ redirected to a temporary folder."""
+    monkeypatch.setattr(timing, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of the Markdown table's body rows in ``text``."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    return rows[2:]
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
+    text = host_overhead.main(["--quick", "--num-seqs", "2,4", "--output-tokens", "6", "--rounds", "1"])
+    assert sorted(path.name for path in results.iterdir()) == ["host_overhead_quick.md", "host_overhead_quick.png"]
+    assert (results / "host_overhead_quick.md").read_text() == text + "\n"
+    assert "Command: `PYTHONPATH=. python -m benchmarks.host_overhead --quick" in text and "Machine: " in text
+    rows = table_rows(text)
+    assert [(row[0], row[1]) for row in rows] == [("greedy", "2"), ("greedy", "4"), ("sampled", "2"), ("sampled", "4")]
+    for row in rows:
+        # 6 tokens: the first from the prefill step, then 5 steps in which every sequence decodes.
+        assert row[2] == "5"
+        assert float(row[3]) > 0 and float(row[4]) >= float(row[3]) and float(row[-1]) > 0
+    assert len(rows[0]) == len(host_overhead.headers(host_overhead.multi_step_supported()))
+
+
+def test_a_pass_times_only_the_steps_in_which_every_sequence_decodes(tmp_path):
+    from tests.models.tiny_models import write_checkpoint
+
+    write_checkpoint(host_overhead.MODEL, tmp_path)
+    llm = host_overhead.LLM(str(tmp_path), **host_overhead.engine_settings(3, 5))
+    run = host_overhead.run_pass(llm, host_overhead.random_prompts(3, 256, seed=0), "sampled", 5)
+    # One prefill step (3 x 32 tokens fit one step), then 4 steps in which every sequence
+    # decodes, the last of them ending all three: one token per sequence each.
+    assert len(run.all_seconds) == 5 and len(run.decode_seconds) == 4 and run.decode_tokens == [1.0] * 4
+
+
+def test_ratio_is_given_only_when_both_counts_were_measured():
+    def result(count, ms):
+        return host_overhead.Result(count, "greedy", [ms / 1e3], [1.0], 10, 0.1)
+
+    rows = host_overhead.table_rows([result(256, 2.0), result(512, 5.0)], multi_step=False)
+    assert rows[0][6] == "1.5" and rows[1][7] == "2.50 (target <= 2.1)"
+    assert host_overhead.table_rows([result(512, 5.0)], multi_step=False)[0][7] == "n/a (no N=256)"
