@@ -249,9 +249,10 @@ def append_slot(
 
 
 def can_append_block(state: BlockManagerState, seq_id: int) -> bool:
-    """Whether `append_block` has a block for `seq_id` without evicting a cached one: reserved,
-    or on the free list."""
-    return bool(state.seqs[seq_id].reserved or state.device.free)
+    """Whether `append_block` has a block for `seq_id`: reserved, free, or evictable from the
+    prefix cache (least recently released first, as the next step's `append_slot` would take it:
+    once the cache has filled the pool, every block comes from there)."""
+    return bool(state.seqs[seq_id].reserved) or num_free_device_blocks(state) > 0
 
 
 def append_block(state: BlockManagerState, seq_id: int) -> BlockManagerState:
@@ -344,5 +345,5 @@ def reset_prefix_cache(state: BlockManagerState) -> BlockManagerState:
     assert not state.seqs, "the prefix cache is reset only while no sequence holds blocks"
     cache, blocks = prefix_cache.evict(state.prefix_cache, len(state.prefix_cache.evictable))
     assert not cache.by_block, "a cached block is not evictable"
-    device = dataclasses.replace(state.device, free=state.device.free + blocks)
+    device = dataclasses.replace(state.device, free=state.device.free.extend(blocks))
     return dataclasses.replace(state, device=device, prefix_cache=cache)

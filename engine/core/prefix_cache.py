@@ -18,33 +18,35 @@ forward pass. Scheduled entries last until the step is recorded.
 A cached block that no sequence references is *evictable*: it counts as free, keeps its KV for
 future hits, and is reused least-recently-released first once the free list is empty.
 
-The read-only mapping helpers (`frozen_map`, `assoc`, `dissoc`) give the block manager's state
-its dicts too.
+The persistent mapping helpers (`frozen_map`, `assoc`, `dissoc`) give the block manager's state
+its maps too. They are hash array mapped tries (`rpds.HashTrieMap`): a new version with a few
+keys changed shares the rest with the old one, so a step's updates cost what changed, not the
+size of the map (a copied dict costs every sequence's or cached block's entry, per update).
 """
 
 import dataclasses
-import types
 from collections.abc import Iterable, Mapping
+
+from rpds import HashTrieMap
 
 Key = tuple[int | None, tuple[int, ...]]
 
 
-def frozen_map(items: Mapping | Iterable[tuple] = ()) -> Mapping:
-    """A read-only mapping (compared by value with `==`) holding a copy of `items`."""
-    return types.MappingProxyType(dict(items))
+def frozen_map(items: Mapping | Iterable[tuple] = ()) -> HashTrieMap:
+    """A persistent mapping (compared by value with `==`) holding `items`."""
+    return HashTrieMap(dict(items))
 
 
-def assoc(mapping: Mapping, updates: Mapping) -> Mapping:
-    """A read-only copy of `mapping` with the keys of `updates` set to its values."""
-    return types.MappingProxyType({**mapping, **updates})
+def assoc(mapping: HashTrieMap, updates: Mapping) -> HashTrieMap:
+    """`mapping` with the keys of `updates` set to its values (sharing the rest)."""
+    return mapping.update(updates) if updates else mapping
 
 
-def dissoc(mapping: Mapping, keys: Iterable) -> Mapping:
-    """A read-only copy of `mapping` without `keys`."""
-    remaining = dict(mapping)
+def dissoc(mapping: HashTrieMap, keys: Iterable) -> HashTrieMap:
+    """`mapping` without `keys` (each must be there)."""
     for key in keys:
-        del remaining[key]
-    return types.MappingProxyType(remaining)
+        mapping = mapping.remove(key)
+    return mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +158,7 @@ def insert_chains(
     chained through it (the sequence kept an uncached copy of that content). Either entry id
     names the same tokens, so the chain stays sound.
     """
-    by_key, by_block, next_id = dict(cache.by_key), dict(cache.by_block), cache.next_entry_id
+    by_key, by_block, next_id = cache.by_key, cache.by_block, cache.next_entry_id
     chain_ids = []
     for parent, blocks in chains:
         ids = []
@@ -168,13 +170,12 @@ def insert_chains(
                 assert by_block[block].key[1] == token_ids, f"block {block} is cached with other tokens"
                 parent = by_block[block].entry_id
             else:
-                by_key[key] = by_block[block] = CachedBlock(entry_id=next_id, block=block, key=key)
+                entry = CachedBlock(entry_id=next_id, block=block, key=key)
+                by_key, by_block = by_key.insert(key, entry), by_block.insert(block, entry)
                 parent, next_id = next_id, next_id + 1
             ids.append(parent)
         chain_ids.append(ids)
-    cache = dataclasses.replace(
-        cache, by_key=frozen_map(by_key), by_block=frozen_map(by_block), next_entry_id=next_id
-    )
+    cache = dataclasses.replace(cache, by_key=by_key, by_block=by_block, next_entry_id=next_id)
     return cache, chain_ids
 
 

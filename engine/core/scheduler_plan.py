@@ -196,7 +196,7 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
 
 
 def _reserve_next_blocks(step: _PartialPlan, config: SchedulerConfig) -> _PartialPlan:
-    """Give each decode whose next token opens a block that block now, from the free list
+    """Give each decode whose next token opens a block that block now
     (`SchedulerConfig.reserve_next_block`); the decode's work then names it. Not for groups that
     may fork (beam search: a fork would share the block only to copy it), and only for a
     sequence that samples again after this step (within max_tokens and max_model_len)."""

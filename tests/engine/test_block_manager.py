@@ -2,11 +2,18 @@
 
 import dataclasses
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
-from engine.core import block_manager, block_swap, prefix_cache
+from engine.core import block_manager, block_pool, block_swap, prefix_cache
 from engine.core.block_manager import AllocStatus, BlockManagerConfig, ConfigError
 from engine.core.sequence import Sequence, SequenceGroup
+
+
+def device_refcounts(state, num_blocks: int) -> tuple[int, ...]:
+    """The reference counts of device blocks 0 .. num_blocks - 1."""
+    return tuple(state.device.refcounts[block] for block in range(num_blocks))
 
 
 def make_config(**overrides) -> BlockManagerConfig:
@@ -38,11 +45,11 @@ def test_a_group_shares_its_prompt_blocks():
     assert num_cached == 0
     tables = {block_manager.block_table(state, seq.seq_id) for seq in group.seqs}
     assert tables == {(0, 1, 2)}
-    assert state.device.refcounts[:3] == (3, 3, 3)
+    assert device_refcounts(state, 3) == (3, 3, 3)
     assert block_manager.num_free_device_blocks(state) == 5
     for seq in group.seqs:
         state = block_manager.free(state, seq.seq_id)
-    assert state.device.refcounts == (0,) * 8 and block_manager.num_free_device_blocks(state) == 8
+    assert device_refcounts(state, 8) == (0,) * 8 and block_manager.num_free_device_blocks(state) == 8
 
 
 def test_can_allocate_keeps_the_watermark_free():
@@ -74,7 +81,7 @@ def test_copy_on_write_only_for_shared_blocks():
     state, copy = block_manager.append_slot(state, second)
     assert copy is None
     assert block_manager.block_table(state, 0) == (0, 2) and block_manager.block_table(state, 1) == (0, 1)
-    assert state.device.refcounts[:3] == (2, 1, 1)
+    assert device_refcounts(state, 3) == (2, 1, 1)
 
 
 def test_copy_on_write_counts_the_last_writer_in_place():
@@ -89,9 +96,9 @@ def test_fork_shares_every_block_and_free_releases_only_the_child():
     state, _ = block_manager.allocate(block_manager.initial_state(make_config()), make_group(seq.prompt_token_ids))
     state = block_manager.fork(state, 0, 5)
     assert block_manager.block_table(state, 5) == (0, 1)
-    assert state.device.refcounts[:2] == (2, 2)
+    assert device_refcounts(state, 2) == (2, 2)
     state = block_manager.free(state, 5)
-    assert state.device.refcounts[:2] == (1, 1)
+    assert device_refcounts(state, 2) == (1, 1)
 
 
 def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
@@ -105,7 +112,7 @@ def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
     state = block_manager.fork(state, 0, 5)
     state, copy = block_manager.append_slot(state, grow(seq, 7))  # position 6, in block 1, shared
     assert copy == (1, 3) and block_manager.block_table(state, 0) == (0, 3, 2)
-    assert block_manager.block_table(state, 5) == (0, 1, 2) and state.device.refcounts[:4] == (2, 1, 2, 1)
+    assert block_manager.block_table(state, 5) == (0, 1, 2) and device_refcounts(state, 4) == (2, 1, 2, 1)
     for seq_id in (0, 5):
         state = block_manager.free(state, seq_id)
     assert block_manager.num_free_device_blocks(state) == 8
@@ -119,11 +126,11 @@ def test_swap_out_and_in_keep_sharing():
     state, pairs = block_swap.swap_out(state, group)
     assert pairs == ((0, 0), (2, 1), (1, 2))
     assert block_manager.num_free_device_blocks(state) == 8
-    assert state.host.refcounts[:3] == (2, 1, 1)
+    assert tuple(state.host.refcounts[block] for block in range(3)) == (2, 1, 1)
     assert block_swap.can_swap_in(state, group) is AllocStatus.OK
     state, pairs = block_swap.swap_in(state, group)
     assert [host for host, _ in pairs] == [0, 1, 2]
-    assert state.device.refcounts.count(0) == 5 and len(state.host.free) == 8
+    assert list(state.device.refcounts.values()).count(0) == 5 and len(state.host.free) == 8
     assert block_manager.block_table(state, 0)[0] == block_manager.block_table(state, 1)[0]
 
 
@@ -177,7 +184,7 @@ def test_prefix_cache_reuses_computed_full_blocks():
     state, _ = admit_and_compute(block_manager.initial_state(make_config(**CACHING)), range(10), 0)
     state, num_cached = block_manager.allocate(state, make_group(list(range(8)) + [50, 51], first_seq_id=1))
     assert num_cached == 8
-    assert block_manager.block_table(state, 1)[:2] == (0, 1) and state.device.refcounts[:2] == (2, 2)
+    assert block_manager.block_table(state, 1)[:2] == (0, 1) and device_refcounts(state, 2) == (2, 2)
     stats = block_manager.stats(state, {0: 10, 1: 8})
     assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == (2, 4)  # 2 misses, 2 hits
 
@@ -262,9 +269,29 @@ def test_unreferenced_cached_blocks_are_free_and_evicted_least_recently_used():
     state, _ = block_manager.allocate(state, make_group(range(12), first_seq_id=2))  # 3 blocks: evicts 0
     assert set(block_manager.block_table(state, 2)) == {1, 3, 0}
     assert not prefix_cache.is_cached(state.prefix_cache, 0)
-    assert not block_manager.can_append_block(state, 2)  # only the cached block 2 is left: kept for hits
+    # Only the cached block 2 is left: a block reserved ahead evicts it, as the next append_slot would.
+    assert block_manager.can_append_block(state, 2)
     state = block_manager.free(state, 2)
     _, num_cached = block_manager.allocate(state, make_group([2] * 4 + [0], first_seq_id=3))
     assert num_cached == 4
     _, num_cached = block_manager.allocate(state, make_group([1] * 4 + [0], first_seq_id=3))
     assert num_cached == 0
+
+
+@hypothesis.given(st.lists(st.one_of(st.integers(0, 5), st.lists(st.integers(0, 99), max_size=5)), max_size=30))
+def test_free_list_hands_out_blocks_first_in_first_out(operations):
+    """The persistent free list behaves as a list taken from the front and extended at the end,
+    and an older version is unchanged by what is done to a newer one."""
+    free, model = block_pool.FreeList.of(range(3)), [0, 1, 2]
+    for operation in operations:
+        before, before_model = free, list(model)
+        if isinstance(operation, int):
+            count = min(operation, len(model))
+            free, taken = free.take(count)
+            assert taken == tuple(model[:count])
+            model = model[count:]
+        else:
+            free, model = free.extend(operation), model + operation
+        assert list(free) == model and len(free) == len(model)
+        assert list(before) == before_model
+    assert free == block_pool.FreeList.of(model) and hash(free) == hash(block_pool.FreeList.of(model))

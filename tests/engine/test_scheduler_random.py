@@ -111,10 +111,10 @@ def check_blocks(state: scheduler.SchedulerState) -> None:
             assert len(entry.block_table) * size >= seq.len - 1
             for block in entry.block_table + entry.reserved:
                 counts[block] += 1
-        assert tuple(counts) == pool.refcounts
+        assert counts == [pool.refcounts[block] for block in range(len(counts))]
         referenced = {block for block, count in enumerate(counts) if count}
         evictable = blocks.prefix_cache.evictable if in_pool else ()
-        unreferenced = pool.free + evictable
+        unreferenced = (*pool.free, *evictable)
         assert len(set(unreferenced)) == len(unreferenced)
         assert not referenced & set(unreferenced)
         assert len(referenced) + len(unreferenced) == len(counts)

@@ -20,6 +20,7 @@ WHEELS = [
     "Jinja2", "MarkupSafe", "tqdm", "filelock", "fsspec", "packaging", "fastapi", "starlette", "annotated-doc",
     "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "uvicorn", "h11",
     "click", "anyio", "sniffio", "idna", "prometheus_client", "opentelemetry-api", "importlib_metadata", "zipp",
+    "rpds-py",
     # the tests: pytest, hypothesis and the openai client
     "pytest", "pytest-timeout", "iniconfig", "pluggy", "Pygments", "hypothesis", "sortedcontainers", "attrs",
     "openai", "httpx", "httpcore", "certifi", "distro", "jiter",
