@@ -32,11 +32,11 @@ class SchedulerConfig:
     With `reserve_next_block` (the engine's async scheduling), a decoding sequence of a group
     that does not fork (`SequenceGroup.may_fork`: not beam search) whose next token will open a
     block gets that block one step early, when nothing waits and a block is free or evictable
-    (the least recently released cached block, as the next step would evict): the step after can then be dispatched before this one's
-    tokens are known (`engine.async_scheduling`), across block boundaries too. Unless the
-    sequence stops at this step (a stop token), the block would be taken at the next step
-    anyway, before any admission: it costs one empty block for a step (and, if it stops, the
-    cached block evicted for it).
+    (the least recently released cached block, as the next step would evict): the step after
+    can then be dispatched before this one's tokens are known (`engine.async_scheduling`),
+    across block boundaries too. Unless the sequence stops at this step (a stop token), the
+    block would be taken at the next step anyway, before any admission: it costs one empty
+    block for a step (and, if it stops, the cached block evicted for it).
     """
 
     max_num_batched_tokens: int
