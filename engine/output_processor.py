@@ -38,6 +38,7 @@ class OutputProcessor:
         by_request: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request.request_id, []).append(i)
+        tokens, logprobs = sampled.tokens[: len(rows)].tolist(), sampled.logprobs[: len(rows)].tolist()
         for request_id, indices in by_request.items():
             request = requests[request_id]
             touched[request_id] = request
@@ -46,13 +47,16 @@ class OutputProcessor:
                 new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
                 actions += new_actions
             else:
-                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled)
+                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled, tokens, logprobs)
         return actions
 
-    def _sample_step(self, request: RequestState, rows, indices, sampled) -> list:
+    def _sample_step(self, request: RequestState, rows, indices, sampled, tokens: list[int],
+                     logprobs: list[float]) -> list:
+        """Record each of ``rows``' token (``tokens[i]``, ``logprobs[i]`` for its index ``i``);
+        the actions that follow."""
         actions = []
         for row, i in zip(rows, indices):
-            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
+            token, logprob = tokens[i], logprobs[i]
             step_logprobs = None
             tokenizer = self._detokenizer(request)
             if request.num_logprobs is not None:

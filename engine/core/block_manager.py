@@ -190,11 +190,19 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
 # --- decoding -------------------------------------------------------------------------------
 
 
-def _append_needs(state: BlockManagerState, seqs: Iterable[Sequence]) -> int:
+def _append_needs(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
     """New device blocks `append_slot` takes from the pool for `seqs`, called in this order: one
     per full last block, one per copy-on-write (once the other holders of a shared block have
     copied, the last writes in place), none where a reservation covers it."""
     size, refcounts = state.config.block_size, state.device.refcounts
+    if len(seqs) == 1:  # most groups: nothing shared to count
+        (seq,) = seqs
+        entry = state.seqs[seq.seq_id]
+        last_index = (seq.len - 1) // size
+        assert last_index <= len(entry.block_table)
+        if entry.reserved:
+            return 0
+        return int(last_index == len(entry.block_table) or refcounts[entry.block_table[last_index]] > 1)
     need, copied = 0, collections.Counter()
     for seq in seqs:
         entry = state.seqs[seq.seq_id]

@@ -46,7 +46,7 @@ def _group_work(
     return ScheduledGroupWork(
         request_id=group.request_id,
         seq_ids=tuple(seq.seq_id for seq in seqs),
-        token_ids=first.token_ids[start : start + length],
+        token_ids=first.tokens(start, start + length),
         start=start,
         block_table=table if whole_table else table[: blocks_for(start + length, size)],
         is_prefill=group.in_prefill,
@@ -82,32 +82,53 @@ def _prefill_work(
 
 def _add_to_batch(
     step: _PartialPlan,
-    group: SequenceGroup,
+    groups: tuple[SequenceGroup, ...],
     work: tuple[ScheduledGroupWork, ...],
     blocks: BlockManagerState | None = None,
     copies: tuple[tuple[int, int], ...] = (),
 ) -> _PartialPlan:
-    """Add `group` and its work to the step (with the block state and copies that work needs)."""
+    """Add `groups` and their work to the step (with the block state and copies that work needs)."""
     return dataclasses.replace(
         step,
         blocks=step.blocks if blocks is None else blocks,
         copies=step.copies + copies,
-        running=step.running + (group,),
+        running=step.running + groups,
         work=step.work + work,
         num_tokens=step.num_tokens + sum(len(w.token_ids) for w in work),
-        num_seqs=step.num_seqs + len(group.unfinished_seqs),
+        num_seqs=step.num_seqs + sum(len(group.unfinished_seqs) for group in groups),
     )
 
 
+class _Decodes:
+    """Decoding groups given their slots since the plan was last updated, with the block state
+    after them; `add_to` puts them all into a plan in one update. (A step's decodes are most of
+    its groups, and adding them one at a time cost a copy of the plan each.)"""
+
+    def __init__(self, blocks: BlockManagerState):
+        self.blocks, self.groups, self.work, self.copies = blocks, [], [], []
+
+    def add(self, group: SequenceGroup) -> None:
+        """Give every sequence of `group` a writable slot for its last token and schedule that token."""
+        for seq in group.unfinished_seqs:
+            assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
+            self.blocks, copy = block_manager.append_slot(self.blocks, seq)
+            if copy:
+                self.copies.append(copy)
+            self.work.append(_group_work(self.blocks, group, (seq,), 1, do_sample=True, whole_table=True))
+        self.groups.append(group)
+
+    def add_to(self, step: _PartialPlan) -> _PartialPlan:
+        """`step` with these groups and their work (its blocks must be the ones they started from)."""
+        if not self.groups:
+            return step
+        return _add_to_batch(step, tuple(self.groups), tuple(self.work), self.blocks, tuple(self.copies))
+
+
 def _schedule_decode(step: _PartialPlan, group: SequenceGroup) -> _PartialPlan:
-    """Give every sequence a writable slot for its last token and schedule that token."""
-    blocks, copies, work = step.blocks, [], []
-    for seq in group.unfinished_seqs:
-        assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
-        blocks, copy = block_manager.append_slot(blocks, seq)
-        copies += [copy] if copy else []
-        work.append(_group_work(blocks, group, (seq,), 1, do_sample=True, whole_table=True))
-    return _add_to_batch(step, group, tuple(work), blocks, tuple(copies))
+    """Give every sequence of `group` a writable slot for its last token and schedule that token."""
+    decodes = _Decodes(step.blocks)
+    decodes.add(group)
+    return decodes.add_to(step)
 
 
 def _schedule_prefill_chunk(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
@@ -118,7 +139,7 @@ def _schedule_prefill_chunk(step: _PartialPlan, group: SequenceGroup, config: Sc
     blocks, seqs = step.blocks, {seq.seq_id: seq for seq in group.unfinished_seqs}
     for entry in work:
         blocks = block_manager.mark_scheduled(blocks, seqs[entry.seq_ids[0]], entry.context_len)
-    return _add_to_batch(step, group, work, blocks)
+    return _add_to_batch(step, (group,), work, blocks)
 
 
 def _schedule_group(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
@@ -177,19 +198,23 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
     the most recently arrived groups (itself last). Prefills continue within the token budget
     left after all decodes."""
     step, queue = _PartialPlan(blocks=state.blocks), collections.deque(state.running)
-    prefilling = []
+    prefilling, decodes = [], _Decodes(state.blocks)
     while queue:
         group = queue.popleft()
         if group.in_prefill:
             prefilling.append(group)
             continue
-        while not block_manager.can_append_slots(step.blocks, group):
-            victim = queue.pop() if queue else group
-            step = _preempt(step, victim, state.config.preemption_mode)
-            if victim is group:
-                break
-        else:
-            step = _schedule_decode(step, group)
+        if not block_manager.can_append_slots(decodes.blocks, group):
+            step, preempted_itself = decodes.add_to(step), False
+            while not preempted_itself and not block_manager.can_append_slots(step.blocks, group):
+                victim = queue.pop() if queue else group
+                step = _preempt(step, victim, state.config.preemption_mode)
+                preempted_itself = victim is group
+            decodes = _Decodes(step.blocks)
+            if preempted_itself:
+                continue
+        decodes.add(group)
+    step = decodes.add_to(step)
     for group in prefilling:
         step = _schedule_prefill_chunk(step, group, state.config)
     return step

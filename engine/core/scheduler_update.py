@@ -99,10 +99,9 @@ def _apply(
     ]
     tokens = {append.seq_id: (append.token_id,) for append in by_kind[Append]}
     for seq_id, num_computed in computed.items():
-        output = seqs[seq_id].output_token_ids + tokens.get(seq_id, ())
-        seqs[seq_id] = dataclasses.replace(
-            seqs[seq_id], num_computed_tokens=num_computed, output_token_ids=output
-        )
+        seq = seqs[seq_id]  # a new record, as dataclasses.replace makes it but at a third of its cost
+        seqs[seq_id] = Sequence(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids + tokens.get(seq_id, ()),
+                                seq.status, num_computed)
     blocks = block_manager.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
     parents = {}
     for fork, child_id, output in zip(by_kind[Fork], child_ids, child_outputs):
@@ -133,12 +132,14 @@ def _regroup(
     children = collections.defaultdict(list)
     for child_id, parent_id in parents.items():
         children[parent_id].append(child_id)
+    max_model_len = state.config.max_model_len
     for group in state.running:
         ids = [seq.seq_id for seq in group.seqs]
-        ids += [child for seq_id in ids for child in children.get(seq_id, ())]
-        ids = [seq_id for seq_id in ids if seq_id not in dropped]
+        if children or dropped:
+            ids += [child for seq_id in ids for child in children.get(seq_id, ())]
+            ids = [seq_id for seq_id in ids if seq_id not in dropped]
         for seq_id in ids:
-            if _reached_length(seqs[seq_id], group.max_tokens, state.config.max_model_len):
+            if _reached_length(seqs[seq_id], group.max_tokens, max_model_len):
                 blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
         num_before = len(group.unfinished_seqs)
         group = dataclasses.replace(

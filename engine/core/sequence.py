@@ -45,6 +45,16 @@ class Sequence:
         """The prompt followed by the generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """`token_ids[start:stop]` (0 <= start <= stop), without building all of `token_ids`
+        (a decode step reads one token of each sequence)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        return self.token_ids[start:stop]
+
     @property
     def len(self) -> int:
         """Number of tokens: prompt plus output."""
