@@ -6,7 +6,7 @@
 
 from engine.entrypoints.llm import LLM, CacheStats
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheStats", "CompletionOutput",
-           "Logprob", "RequestOutput", "SamplingParams"]
+           "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -15,7 +15,7 @@ from engine import beam_search
 from engine.core.scheduler import Append, Drop, Finish, Fork, SequenceStatus
 from engine.outputs import RequestOutput, token_logprobs
 from engine.request_state import RequestState
-from engine.sampling_params import BeamSearchParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind
 from engine.worker.sampler import prompt_logprobs
 
 # vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
@@ -132,8 +132,8 @@ class OutputProcessor:
 
     def collect(self, finished, requests: dict[str, RequestState], touched: dict[str, RequestState]
                 ) -> list[RequestOutput]:
-        """Outputs of the changed requests, with the scheduler's ``finished`` groups; finished
-        ones leave ``requests``."""
+        """Outputs of the changed requests (of those with ``output_kind`` FINAL_ONLY, only the
+        finished), with the scheduler's ``finished`` groups; finished ones leave ``requests``."""
         for group in finished:
             request = requests.get(group.request_id)
             if request is None:
@@ -145,7 +145,9 @@ class OutputProcessor:
             touched[group.request_id] = request
         outputs = []
         for request_id, request in touched.items():
-            outputs.append(request.output(self.tokenizer))
-            if request.finished:
+            finished = request.finished
+            if finished or getattr(request.params, "output_kind", None) is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(request.output(self.tokenizer))
+            if finished:
                 requests.pop(request_id, None)
         return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -11,6 +12,17 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 _GREEDY_EPSILON = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's): after every step, all of
+    it so far (``CUMULATIVE``), or only its last (``FINAL_ONLY``, which ``LLM.generate`` asks
+    for: a step then builds no output for a request still running). vLLM's ``DELTA`` (only
+    what is new) is refused: the OpenAI server makes its deltas from cumulative outputs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +51,7 @@ class SamplingParams:
     last token of each word's tokens (with and without a leading space) is banned whenever the
     tokens generated so far end with the ones before it. detokenize: False leaves the text
     empty and log-probabilities without decoded tokens (token ids only; no stop strings).
+    output_kind: which outputs the engine's steps return (``RequestOutputKind``).
     """
 
     n: int = 1
@@ -65,6 +78,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words: tuple[str, ...] = ()
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -207,6 +221,9 @@ def _check(p: SamplingParams) -> None:
     _require(allowed is None or (isinstance(allowed, tuple) and allowed and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)), "allowed_token_ids",
         "None or a non-empty list of non-negative token ids", allowed)
+    _require(p.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY), "output_kind",
+             "RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not supported: take the new part of each "
+             "cumulative output)", p.output_kind)
     if p.greedy:
         _require(p.num_candidates in (1, p.n), "best_of", "equal to n when temperature is 0 (greedy)", p.best_of)
 

@@ -15,7 +15,7 @@ from engine.core.scheduler import InvalidRequestError
 from engine.entrypoints.protocol import text_content
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # The paper's Orca baselines that size each reservation by the request's true output length.
 _ORACLE_RESERVATIONS = ("orca-pow2", "orca-oracle")
@@ -96,7 +96,7 @@ class LLM:
         """
         prompts = _as_list(prompts)
         params = _params_for(prompts, sampling_params or SamplingParams(), SamplingParams, "LLM.beam_search")
-        return self._run_engine([(prompt, p) for prompt, p in zip(prompts, params)], use_tqdm)
+        return self._run_engine([(prompt, p) for prompt, p in zip(prompts, _final_only(params))], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
@@ -212,6 +212,16 @@ def _params_for(prompts, params, kind: type, other_method: str) -> list:
             hint = f"; pass it to {other_method}" if isinstance(p, (SamplingParams, BeamSearchParams)) else ""
             raise TypeError(f"expected {kind.__name__}, got {type(p).__name__}{hint}")
     return params
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` with ``output_kind`` FINAL_ONLY (as vLLM's ``LLM`` sets it): ``generate``
+    returns only final outputs, so the steps need not build the others."""
+    final = {}
+    for p in params:
+        if id(p) not in final:
+            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [final[id(p)] for p in params]
 
 
 def _beam_search_output(out: RequestOutput, tokenizer) -> BeamSearchOutput:

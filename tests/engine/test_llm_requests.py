@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from engine import SamplingParams
+from engine import RequestOutputKind, SamplingParams
 from engine.core.scheduler import InvalidRequestError
 from tests.engine.tiny import prompts, tiny_llm
 from tests.hf_torch import load_hf_model, next_token_logprobs
@@ -220,3 +222,27 @@ def test_more_samples_than_max_num_seqs_name_the_field(tmp_path):
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=3, temperature=1.0, max_tokens=4), use_tqdm=False)
     assert "best_of=3 needs 3 sequences at once, more than max_num_seqs=2" in out.error
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_final_only_requests_return_just_their_final_output(llm_and_config):
+    """``output_kind=FINAL_ONLY`` (what ``LLM.generate`` uses): no output while running, and the
+    final one equal to a cumulative request's."""
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine, seen = llm.engine, {"cumulative": [], "final": []}
+    engine.add_request("cumulative", prompt, params)
+    engine.add_request("final", prompt, final_only)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["cumulative"]) == 7 and [o.finished for o in seen["final"]] == [True]
+    final = seen["final"][0].outputs[0].token_ids
+    assert final == seen["cumulative"][-1].outputs[0].token_ids
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == final
+
+
+def test_delta_outputs_are_refused_naming_what_to_use():
+    with pytest.raises(ValueError, match="output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
