@@ -144,6 +144,14 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPSILON
 
 
+def final_only(params):
+    """``params`` asking for only the final output (``RequestOutputKind.FINAL_ONLY``), for callers
+    that wait for the end anyway; ``BeamSearchParams`` (final only by nature) as they are."""
+    if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
+
+
 def _require(ok: bool, field: str, allowed: str, value, owner: str = "SamplingParams") -> None:
     if not ok:
         raise ValueError(f"{owner}.{field} must be {allowed}, got {value!r}")

@@ -15,7 +15,7 @@ from engine.core.scheduler import InvalidRequestError
 from engine.entrypoints.protocol import text_content
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams, final_only
 
 # The paper's Orca baselines that size each reservation by the request's true output length.
 _ORACLE_RESERVATIONS = ("orca-pow2", "orca-oracle")
@@ -216,11 +216,12 @@ def _params_for(prompts, params, kind: type, other_method: str) -> list:
 
 def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     """``params`` with ``output_kind`` FINAL_ONLY (as vLLM's ``LLM`` sets it): ``generate``
-    returns only final outputs, so the steps need not build the others."""
+    returns only final outputs, so the steps need not build the others. (One copy per distinct
+    object: the same params are often given for every prompt.)"""
     final = {}
     for p in params:
         if id(p) not in final:
-            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            final[id(p)] = final_only(p)
     return [final[id(p)] for p in params]
 
 

@@ -16,7 +16,7 @@ from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError, response_id
 from engine.entrypoints.streaming import ChoiceProgress, chunk_writer, ending_with_errors, includes_usage
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams, final_only
 
 
 class OpenAIServing:
@@ -249,6 +249,9 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _finals(self, plans, prefix: str, shown=None) -> list[RequestOutput]:
+        """The final output of every planned request (a response that is not streamed): the
+        engine builds no other (``RequestOutputKind.FINAL_ONLY``)."""
+        plans = [(ids, final_only(params)) for ids, params in plans]
         finals: dict[int, RequestOutput] = {}
         async for index, output in self._merged(plans, prefix, shown):
             if output.finished:
