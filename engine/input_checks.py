@@ -16,11 +16,10 @@ def check_prompt(token_ids: list[int], request_id: str = "", *, max_model_len: i
         raise InvalidRequestError(
             f"request {request_id!r}: the prompt has {len(token_ids)} tokens but max_model_len is "
             f"{max_model_len}; shorten the prompt or raise max_model_len")
-    vocab = vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                                  f"[0, {vocab})")
+                                  f"[0, {vocab_size})")
 
 
 def check_params(params: SamplingParams | BeamSearchParams, request_id: str = "", *, max_num_seqs: int,
@@ -35,10 +34,9 @@ def check_params(params: SamplingParams | BeamSearchParams, request_id: str = ""
                                   f"than max_num_seqs={max_num_seqs}; lower it or raise max_num_seqs")
     if getattr(params, "bad_words", ()) and tokenizer is None:
         raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
-    vocab = vocab_size
     for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
                        ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
-        bad = [t for t in ids if t >= vocab]
+        bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise InvalidRequestError(f"request {request_id!r}: {field} token ids {bad[:5]} are outside the "
-                                      f"vocabulary [0, {vocab})")
+                                      f"vocabulary [0, {vocab_size})")
