@@ -211,10 +211,10 @@ def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int
 
 
 def profile(directory: pathlib.Path, count: int, mode: str, steps: int, output_tokens: int,
-            top: int = 30) -> pstats.Stats:
+            num_scheduler_steps: int = 1, top: int = 30) -> pstats.Stats:
     """cProfile of ``steps`` decode steps of ``count`` sequences (after a compiling pass), printed
     sorted by cumulative and by own time, with calls per step."""
-    llm = LLM(str(directory), **engine_settings(count, output_tokens))
+    llm = LLM(str(directory), **engine_settings(count, output_tokens, num_scheduler_steps))
     vocab_size = llm.engine.model_config.vocab_size
     run_pass(llm, random_prompts(count, vocab_size, 1), mode, output_tokens)
     profiler = cProfile.Profile()
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> str:
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
             write_checkpoint(MODEL, folder)
-            profile(pathlib.Path(folder), counts[0], "greedy", args.profile, args.output_tokens)
+            profile(pathlib.Path(folder), counts[0], "greedy", args.profile, args.output_tokens,
+                    args.num_scheduler_steps)
         return ""
     top = header("benchmarks.host_overhead", list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()

@@ -41,6 +41,8 @@ class EngineConfig:
     ``tensor_parallel_size`` splits the model over that many devices (see ``engine.worker.tensor_parallel``).
     ``async_scheduling`` dispatches a decode step before the previous one's tokens reach the
     host, where that cannot change what is generated (see ``engine.async_scheduling``).
+    ``num_scheduler_steps`` > 1 runs that many decode steps in one dispatch, sampling on the
+    device, whenever a step would only decode (see ``engine.multi_step``).
     """
 
     model: str | None = None
@@ -62,10 +64,11 @@ class EngineConfig:
     warmup: bool = True
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                      "max_model_len", "seed", "tensor_parallel_size"):
+                      "max_model_len", "seed", "tensor_parallel_size", "num_scheduler_steps"):
             value = getattr(self, field)  # NumPy integers are integers too
             if _integer(value) and type(value) is not int:
                 object.__setattr__(self, field, int(value))
@@ -99,6 +102,8 @@ class EngineConfig:
              self.reservation),
             (self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy),
             (isinstance(self.async_scheduling, bool), "async_scheduling", "True or False", self.async_scheduling),
+            (_at_least(self.num_scheduler_steps, 1), "num_scheduler_steps", "an integer >= 1 (1: a step per dispatch)",
+             self.num_scheduler_steps),
         ]
         for ok, field, allowed, value in checks:
             if not ok:

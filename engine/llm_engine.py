@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from engine import async_scheduling, beam_search, input_checks
+from engine import async_scheduling, beam_search, input_checks, multi_step
 from engine.config import EngineConfig
 from engine.core import scheduler
 from engine.core.scheduler import InvalidRequestError
@@ -40,6 +40,7 @@ class EngineCounters:
     generation_tokens: int = 0
     steps: int = 0
     lookahead_steps: int = 0  # steps whose work an earlier lookahead had computed
+    multi_steps: int = 0  # steps run as a multi-step decode (num_scheduler_steps)
 
 
 class LLMEngine:
@@ -85,7 +86,10 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._output_processor = OutputProcessor(self.tokenizer, self.counters)
         self._lookahead: async_scheduling.Lookahead | None = None
-        self._async = config.async_scheduling and mesh is None  # not under a mesh: untested there
+        # Neither under a mesh (untested there). A lookahead would take the decode steps that
+        # multi-step decode runs k at a time, so there is one or the other.
+        self._num_steps = config.num_scheduler_steps if mesh is None else 1
+        self._async = config.async_scheduling and mesh is None and self._num_steps == 1
         self._seeds = np.random.default_rng(config.seed)
         # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -222,9 +226,13 @@ class LLMEngine:
 
         With ``async_scheduling``, a decode step may already have run as the previous step's
         lookahead (:mod:`engine.async_scheduling`): then its tokens are taken instead of running it.
+        With ``num_scheduler_steps`` k > 1, a step that only decodes runs up to k decode steps
+        (:mod:`engine.multi_step`).
         """
         ahead, self._lookahead = self._lookahead, None
-        self.state, plan = self._plan(ahead)
+        num_steps = self._num_steps if self._num_steps > 1 and multi_step.allowed(self.state.running,
+                                                                                  self.requests) else 1
+        self.state, plan = self._plan(ahead, num_steps)
         touched: dict[str, RequestState] = {}
         for request_id, reason in plan.ignored:
             request = self.requests.get(request_id)
@@ -242,7 +250,7 @@ class LLMEngine:
             else:
                 self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
                 blocks_moved = True
-                in_flight = self._dispatch(plan.scheduled) if plan.scheduled else None
+                in_flight = self._dispatch(plan.scheduled, plan.num_steps) if plan.scheduled else None
             if in_flight is not None and self._async and \
                     async_scheduling.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
                 self._lookahead = self._dispatch_lookahead(plan.scheduled, in_flight)
@@ -255,13 +263,14 @@ class LLMEngine:
         self.counters.steps += 1
         return self._collect(touched)
 
-    def _plan(self, ahead: async_scheduling.Lookahead | None
+    def _plan(self, ahead: async_scheduling.Lookahead | None, num_steps: int
               ) -> tuple[scheduler.SchedulerState, scheduler.SchedulerOutput]:
-        """The scheduler's plan for this step. If it would drop the lookahead ``ahead`` only to
+        """The scheduler's plan for this step (a multi-step decode of up to ``num_steps`` if it
+        only decodes). If it would drop the lookahead ``ahead`` only to
         admit requests that arrived while it ran, they wait a step more instead: the device is
         running that step anyway, and dropping it would cost every running request a step, to
         start the new ones sooner only by the host's turnaround between two steps."""
-        state, plan = scheduler.schedule(self.state)
+        state, plan = scheduler.schedule(self.state, num_steps=num_steps)
         if ahead is not None and self.state.waiting and not async_scheduling.computed(ahead.works, plan):
             deferred, without = scheduler.schedule(self.state, admit=False)
             if async_scheduling.computed(ahead.works, without):
@@ -287,9 +296,16 @@ class LLMEngine:
             self.state = scheduler.initial_state(self.scheduler_config)
         log.error("step failed (%s); aborted %d requests", reason, len(victims))
 
-    def _dispatch(self, works) -> async_scheduling.InFlightStep | None:
+    def _dispatch(self, works, num_steps: int = 1
+                  ) -> async_scheduling.InFlightStep | multi_step.InFlightSteps | None:
         """Dispatch the model and the sampler for ``works`` (record prompt log-probabilities,
-        which wait for the logits); None when nothing samples."""
+        which wait for the logits); None when nothing samples. ``num_steps`` > 1: the works are
+        a multi-step decode."""
+        if num_steps > 1:
+            self.counters.multi_steps += 1
+            in_flight, self.cache.kv_caches = multi_step.dispatch(
+                self.runner, self.cache.kv_caches, works, self.requests, self._num_steps, self.model_config.vocab_size)
+            return in_flight
         logits_tokens, rows, prompt_rows = self._logits_plan(works)
         argmax_only = not prompt_rows and sampling_rows.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
@@ -335,9 +351,11 @@ class LLMEngine:
             async_scheduling.next_works(works),
             async_scheduling.InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables))
 
-    def _record(self, in_flight: async_scheduling.InFlightStep, touched) -> list:
+    def _record(self, in_flight: async_scheduling.InFlightStep | multi_step.InFlightSteps, touched) -> list:
         """Wait for ``in_flight``'s tokens and record them; the scheduler's actions that follow."""
         rows = in_flight.rows
+        if isinstance(in_flight, multi_step.InFlightSteps):
+            return self._output_processor.record_steps(rows, *multi_step.fetch(in_flight), touched)
         sampled = sampling_rows.fetch(in_flight.sampled, len(rows))
         return self._output_processor.record(rows, sampled, self.requests, self.state.next_seq_id, touched)
 

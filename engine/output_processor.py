@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from engine import beam_search
-from engine.core.scheduler import Append, Drop, Finish, Fork, SequenceStatus
+from engine.core.scheduler import Append, AppendMany, Drop, Finish, Fork, SequenceStatus
 from engine.outputs import RequestOutput, token_logprobs
 from engine.request_state import RequestState
 from engine.sampling_params import BeamSearchParams, RequestOutputKind
@@ -56,21 +56,50 @@ class OutputProcessor:
         the actions that follow."""
         actions = []
         for row, i in zip(rows, indices):
-            token, logprob = tokens[i], logprobs[i]
-            step_logprobs = None
-            tokenizer = self._detokenizer(request)
-            if request.num_logprobs is not None:
-                step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[i])),
-                                               sampled.top_tokens[i, : request.num_logprobs].tolist(),
-                                               sampled.top_logprobs[i, : request.num_logprobs].tolist())
-            stop = request.record(row.seq_id, token, logprob, step_logprobs, tokenizer)
-            self.counters.generation_tokens += 1
+            token = tokens[i]
+            stop = self._record_token(request, row.seq_id, sampled, i, token, logprobs[i])
             actions.append(Append(row.seq_id, token))
             if stop:
-                reason = request.seqs[row.seq_id].finish_reason
-                actions.append(Finish(row.seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop"
-                                      else SequenceStatus.FINISHED_LENGTH))
+                actions.append(self._finish(request, row.seq_id))
         return actions
+
+    def record_steps(self, rows, tokens, sampled, touched) -> list:
+        """Record a multi-step decode's tokens (``tokens`` int32 [rows, k], -1 past a row's
+        steps; ``sampled``, the sampler's outputs [k, rows, ...], on the host) in order, each
+        sequence up to its stop; the scheduler's actions that follow (the tokens kept)."""
+        actions = []
+        logprobs = sampled.logprobs.tolist()
+        for i, (row, row_tokens) in enumerate(zip(rows, tokens.tolist())):
+            request = row.request
+            touched[request.request_id] = request
+            kept, stop = [], False
+            for j, token in enumerate(row_tokens):
+                if token < 0 or stop:
+                    break
+                kept.append(token)
+                stop = self._record_token(request, row.seq_id, sampled, (j, i), token, logprobs[j][i])
+            actions.append(AppendMany(row.seq_id, tuple(kept)))
+            if stop:
+                actions.append(self._finish(request, row.seq_id))
+        return actions
+
+    def _record_token(self, request: RequestState, seq_id: int, sampled, at, token: int, logprob: float) -> bool:
+        """Record one sampled ``token`` of ``seq_id`` (its sampler outputs at index ``at`` of
+        ``sampled``'s arrays); whether the sequence stops there."""
+        step_logprobs = None
+        tokenizer = self._detokenizer(request)
+        if request.num_logprobs is not None:
+            step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[at])),
+                                           sampled.top_tokens[at][: request.num_logprobs].tolist(),
+                                           sampled.top_logprobs[at][: request.num_logprobs].tolist())
+        self.counters.generation_tokens += 1
+        return request.record(seq_id, token, logprob, step_logprobs, tokenizer)
+
+    @staticmethod
+    def _finish(request: RequestState, seq_id: int) -> Finish:
+        """The scheduler's end of a sequence that stopped (a stop rule, or its max_tokens)."""
+        reason = request.seqs[seq_id].finish_reason
+        return Finish(seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH)
 
     def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
         """One beam-search step: proposals of every running beam (in the beam search's order),

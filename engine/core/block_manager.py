@@ -239,7 +239,7 @@ def append_slot(
     A new block when the table ends before it; copy-on-write when its block is shared: a
     private block replaces it in the table and `(src, dst)` is returned for the cache engine to
     copy before the token is written. (Its block is the table's last unless a block was
-    appended ahead, `append_block`, and a fork shared both.)
+    appended ahead, `append_blocks`, and a fork shared both.)
     """
     entry = state.seqs[seq.seq_id]
     assert entry.on_device, f"seq {seq.seq_id} is swapped out"
@@ -256,20 +256,29 @@ def append_slot(
     return set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
 
 
-def can_append_block(state: BlockManagerState, seq_id: int) -> bool:
-    """Whether `append_block` has a block for `seq_id`: reserved, free, or evictable from the
-    prefix cache (least recently released first, as the next step's `append_slot` would take it:
-    once the cache has filled the pool, every block comes from there)."""
-    return bool(state.seqs[seq_id].reserved) or num_free_device_blocks(state) > 0
+def num_fresh_blocks(state: BlockManagerState, seq_id: int, num_blocks: int) -> int:
+    """Of `num_blocks` more blocks for `seq_id` (`append_blocks`), how many its reservation
+    does not hold: those come from the free list or the prefix cache's evictable blocks (least
+    recently released first, as a later `append_slot` would take them: once the cache has
+    filled the pool, every block comes from there), of which there are
+    `num_free_device_blocks`."""
+    return max(num_blocks - len(state.seqs[seq_id].reserved), 0)
 
 
-def append_block(state: BlockManagerState, seq_id: int) -> BlockManagerState:
-    """One more private block at the end of `seq_id`'s table, before any token needs it
-    (`SchedulerConfig.reserve_next_block`); see `can_append_block`."""
-    entry = state.seqs[seq_id]
-    assert entry.on_device, f"seq {seq_id} is swapped out"
-    state, entry, block = _take_one(state, entry)
-    return set_seqs(state, {seq_id: dataclasses.replace(entry, block_table=entry.block_table + (block,))})
+def append_blocks(state: BlockManagerState, counts: Mapping[int, int]) -> BlockManagerState:
+    """`counts[seq_id]` more private blocks at the end of each listed sequence's table, before
+    any token needs them (`SchedulerConfig.reserve_next_block`, multi-step decodes): from its
+    reservation first, the rest taken from the pool at once (see `num_fresh_blocks`)."""
+    state, fresh = take_device(state, sum(num_fresh_blocks(state, seq_id, n) for seq_id, n in counts.items()))
+    state, fresh, entries = add_device_refs(state, fresh), iter(fresh), {}
+    for seq_id, num_blocks in counts.items():
+        entry = state.seqs[seq_id]
+        assert entry.on_device, f"seq {seq_id} is swapped out"
+        own = entry.reserved[:num_blocks]
+        new = own + tuple(next(fresh) for _ in range(num_blocks - len(own)))
+        entries[seq_id] = dataclasses.replace(entry, block_table=entry.block_table + new,
+                                              reserved=entry.reserved[len(own):])
+    return set_seqs(state, entries)
 
 
 def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> BlockManagerState:

@@ -81,7 +81,7 @@ def swap_out(
     """Move the group's blocks to host, all or nothing; returns (device, host) block pairs.
 
     Reserved blocks (`SeqBlocks.reserved`, the Orca baselines') are released: they hold no KV.
-    A block appended ahead (`append_block`) is in the table, for the last token, and moves with
+    A block appended ahead (`append_blocks`) is in the table, for the last token, and moves with
     it. Freed device blocks may be reused in the same step, so the cache engine must copy these
     pairs out before any other block operation.
     """

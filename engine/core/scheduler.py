@@ -34,6 +34,12 @@ once → `Append(seq_id, token)`; chosen m > 1 times → m - 1 `Fork(seq_id, Non
 that ends → `Append` then `Finish(seq_id, FINISHED_STOPPED)`. Children share all parent blocks.
 Forks with child_seq_id=None get ids state.next_seq_id, +1, ... in action order.
 
+Multi-step decode: `schedule(state, num_steps=k)` plans, when the step is decodes only (no
+prefill, swap, preemption or beam search), `k` decode steps at once: each decode work reserves
+the slots of its next `num_steps` tokens (fewer near `max_tokens` or `max_model_len`), the
+engine samples them all on the device, and `update` gets one `AppendMany` per sequence with the
+tokens it keeps (up to its stop). When a reservation does not fit, the plan is one step.
+
 Prefill of a group whose sequences differ (a multi-sequence group preempted by recompute) runs
 in two stages: the leading blocks all sequences share are computed once (one entry listing
 every seq_id, not sampled), then each sequence's own remainder (one entry per sequence). The
@@ -50,6 +56,7 @@ from engine.core.scheduler_state import (
     PREEMPTION_MODES,
     Action,
     Append,
+    AppendMany,
     Drop,
     Finish,
     Fork,
@@ -69,6 +76,7 @@ __all__ = [
     "PREEMPTION_MODES",
     "Action",
     "Append",
+    "AppendMany",
     "Drop",
     "Finish",
     "Fork",

@@ -222,21 +222,63 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
 
 def _reserve_next_blocks(step: _PartialPlan, config: SchedulerConfig) -> _PartialPlan:
     """Give each decode whose next token opens a block that block now
-    (`SchedulerConfig.reserve_next_block`); the decode's work then names it. Not for groups that
-    may fork (beam search: a fork would share the block only to copy it), and only for a
-    sequence that samples again after this step (within max_tokens and max_model_len)."""
-    blocks, works, size = step.blocks, [], config.block_manager.block_size
+    (`SchedulerConfig.reserve_next_block`), in order while the pool has blocks; the decode's
+    work then names it. Not for groups that may fork (beam search: a fork would share the
+    block only to copy it), and only for a sequence that samples again after this step (within
+    max_tokens and max_model_len)."""
+    size, wanted = config.block_manager.block_size, {}
+    budget = block_manager.num_free_device_blocks(step.blocks)
     seqs = {seq.seq_id: (group, seq) for group in step.running if not group.may_fork for seq in group.seqs}
     for work in step.work:
         group, seq = seqs.get(work.seq_ids[0], (None, None))
         following = work.context_len  # the position of the next token
         if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
-                and following < config.max_model_len and following >= len(work.block_table) * size
-                and block_manager.can_append_block(blocks, work.seq_ids[0])):
-            blocks = block_manager.append_block(blocks, work.seq_ids[0])
-            work = dataclasses.replace(work, block_table=block_manager.block_table(blocks, work.seq_ids[0]))
+                and following < config.max_model_len and following >= len(work.block_table) * size):
+            fresh = block_manager.num_fresh_blocks(step.blocks, work.seq_ids[0], 1)
+            if fresh <= budget:
+                wanted[work.seq_ids[0]], budget = 1, budget - fresh
+    return _with_blocks(step, wanted)
+
+
+def _with_blocks(step: _PartialPlan, counts: dict[int, int], num_steps: dict[int, int] | None = None) -> _PartialPlan:
+    """`step` with `counts[seq_id]` blocks appended to the listed decodes' tables (their works
+    naming them), and the works of `num_steps` as multi-step decodes of that many steps."""
+    if not counts and not num_steps:
+        return step
+    blocks, works = block_manager.append_blocks(step.blocks, counts) if counts else step.blocks, []
+    for work in step.work:
+        seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
+        if seq_id in counts or steps > 1:
+            table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
+            work = dataclasses.replace(work, block_table=table, num_steps=steps)
         works.append(work)
     return dataclasses.replace(step, blocks=blocks, work=tuple(works))
+
+
+def _only_decodes(step: _PartialPlan) -> bool:
+    """Whether the step decodes and does nothing else: no prefill, swap, preemption or refusal,
+    and no group that may fork (beam search chooses its beams on the host at every step)."""
+    return (bool(step.work) and not (step.preempted or step.swap_in or step.swap_out or step.ignored)
+            and not any(work.is_prefill for work in step.work) and not any(group.may_fork for group in step.running))
+
+
+def _reserve_steps(step: _PartialPlan, num_steps: int, config: SchedulerConfig) -> _PartialPlan | None:
+    """The decodes of `step` as multi-step decodes of up to `num_steps` tokens each (within
+    the sequence's `max_tokens` and `max_model_len`), with the blocks their slots need; None
+    when the pool cannot give them all."""
+    size, counts, steps, fresh = config.block_manager.block_size, {}, {}, 0
+    seqs = {seq.seq_id: (group, seq) for group in step.running for seq in group.unfinished_seqs}
+    for work in step.work:
+        (seq_id,) = work.seq_ids
+        group, seq = seqs[seq_id]
+        steps[seq_id] = min(num_steps, group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
+        need = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
+        if need > 0:
+            counts[seq_id] = need
+            fresh += block_manager.num_fresh_blocks(step.blocks, seq_id, need)
+    if fresh > block_manager.num_free_device_blocks(step.blocks):
+        return None
+    return _with_blocks(step, counts, steps)
 
 
 def _ignore(step: _PartialPlan, group: SequenceGroup, reason: str) -> _PartialPlan:
@@ -330,12 +372,15 @@ def _by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
     return tuple(sorted(groups, key=lambda group: group.arrival))
 
 
-def schedule(state: SchedulerState, *, admit: bool = True) -> tuple[SchedulerState, SchedulerOutput]:
+def schedule(
+    state: SchedulerState, *, admit: bool = True, num_steps: int = 1
+) -> tuple[SchedulerState, SchedulerOutput]:
     """Plan one step: decodes of running groups (preempting when blocks run out), prefill
     chunks, then, unless this step preempted, swap-ins and admissions (none while any group is
     swapped out; with policy "static", only when nothing runs). `admit` False: no swap-ins or
     admissions this step, whatever fits (the engine's async scheduling defers arrivals by a
-    step so as to take a decode step it already ran)."""
+    step so as to take a decode step it already ran). `num_steps` > 1: a step of decodes only
+    becomes a multi-step decode of up to that many tokens per sequence (see `engine.core.scheduler`)."""
     if state.pending is not None:
         raise SchedulerUsageError(
             "schedule() called twice: record the previous step with update() first"
@@ -347,7 +392,10 @@ def schedule(state: SchedulerState, *, admit: bool = True) -> tuple[SchedulerSta
         step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not step.running):
             step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
-    if config.reserve_next_block and not (step.preempted or swapped or waiting):
+    multi_step = _reserve_steps(step, num_steps, config) if num_steps > 1 and _only_decodes(step) else None
+    if multi_step is not None:
+        step = multi_step
+    elif config.reserve_next_block and not (step.preempted or swapped or waiting):
         step = _reserve_next_blocks(step, config)
     output = SchedulerOutput(
         scheduled=step.work,

@@ -77,6 +77,9 @@ class ScheduledGroupWork:
     prompt, or, after preemption by recompute, its prompt and generated tokens; decodes compute
     the one token sampled last step. With `do_sample`, the engine samples one token per seq_id
     from the logits of the last token (False for a chunk that does not reach the end).
+    A decode of `num_steps` > 1 (multi-step decode: `schedule(..., num_steps=)`) goes on for
+    `num_steps - 1` more tokens, each the one sampled from the step before, at the positions
+    after `start`; `block_table` holds all their slots.
     """
 
     request_id: str
@@ -86,11 +89,17 @@ class ScheduledGroupWork:
     block_table: tuple[int, ...]
     is_prefill: bool
     do_sample: bool
+    num_steps: int = 1
 
     @property
     def context_len(self) -> int:
-        """Tokens in the cache once this work is done: what its last token attends to."""
+        """Tokens in the cache once this work's first step is done: what its last token attends to."""
         return self.start + len(self.token_ids)
+
+    @property
+    def write_end(self) -> int:
+        """One past the last position whose KV this work writes (over all its steps)."""
+        return self.context_len + self.num_steps - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +118,11 @@ class SchedulerOutput:
         """Tokens the model runs this step."""
         return sum(len(work.token_ids) for work in self.scheduled)
 
+    @property
+    def num_steps(self) -> int:
+        """Model steps the plan runs: more than one for a multi-step decode."""
+        return max((work.num_steps for work in self.scheduled), default=1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Append:
@@ -116,6 +130,15 @@ class Append:
 
     seq_id: int
     token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendMany:
+    """Add the tokens a multi-step decode sampled for sequence `seq_id`, in order: at most the
+    work's `num_steps`, fewer when the sequence stopped (the tokens after the stop are dropped)."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +165,7 @@ class Drop:
     seq_id: int
 
 
-Action = Append | Fork | Finish | Drop
+Action = Append | AppendMany | Fork | Finish | Drop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from engine.core.block_manager import BlockManagerState
 from engine.core.scheduler_state import (
     Action,
     Append,
+    AppendMany,
     Drop,
     Finish,
     Fork,
@@ -27,17 +28,17 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 Seqs = dict[int, Sequence]
 
 
-def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int], set[int]]:
-    """num_computed_tokens after the step, per scheduled sequence still running; and the ids of
-    the sequences sampled."""
-    computed, sampled = {}, set()
+def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int], dict[int, int]]:
+    """num_computed_tokens after the step's first model step, per scheduled sequence still
+    running; and the sequences sampled, with the most tokens each may get (its `num_steps`)."""
+    computed, sampled = {}, {}
     for work in output.scheduled:
         for seq_id in work.seq_ids:
             if seq_id in seqs and not seqs[seq_id].status.is_finished:
                 assert seqs[seq_id].num_computed_tokens == work.start
                 computed[seq_id] = work.context_len
                 if work.do_sample:
-                    sampled.add(seq_id)
+                    sampled[seq_id] = work.num_steps
     return computed, sampled
 
 
@@ -59,14 +60,20 @@ def _child_ids(forks: list[Fork], next_seq_id: int) -> list[int]:
     return ids
 
 
-def _check(by_kind: dict, sampled: set[int], live: set[int]) -> None:
+def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
     """Raise SchedulerUsageError unless the actions fit the step that was scheduled."""
-    appends = collections.Counter(action.seq_id for action in by_kind[Append])
-    for action in by_kind[Append] + by_kind[Fork]:
+    appends = collections.Counter(action.seq_id for action in by_kind[Append] + by_kind[AppendMany])
+    for action in by_kind[Append] + by_kind[AppendMany] + by_kind[Fork]:
         if _target(action) not in sampled:
             raise SchedulerUsageError(
                 f"sequence {_target(action)} was not sampled this step; Append or Fork only "
                 f"sequences from scheduled entries with do_sample"
+            )
+    for action in by_kind[AppendMany]:
+        if not 1 <= len(action.token_ids) <= sampled[action.seq_id]:
+            raise SchedulerUsageError(
+                f"AppendMany gives sequence {action.seq_id} {len(action.token_ids)} tokens; its "
+                f"work's num_steps allows 1 to {sampled[action.seq_id]}"
             )
     twice = [seq_id for seq_id, count in appends.items() if count > 1]
     if twice:
@@ -77,7 +84,7 @@ def _check(by_kind: dict, sampled: set[int], live: set[int]) -> None:
     ended = {action.seq_id for action in by_kind[Finish] + by_kind[Drop]}
     if ended - live:
         raise SchedulerUsageError(f"sequences {sorted(ended - live)} are not running")
-    missing = sampled - appends.keys() - ended
+    missing = sampled.keys() - appends.keys() - ended
     if missing:
         raise SchedulerUsageError(
             f"sampled sequences {sorted(missing)} need an Append, Finish or Drop"
@@ -98,10 +105,14 @@ def _apply(
         seqs[fork.parent_seq_id].output_token_ids + (fork.token_id,) for fork in by_kind[Fork]
     ]
     tokens = {append.seq_id: (append.token_id,) for append in by_kind[Append]}
+    tokens.update((append.seq_id, append.token_ids) for append in by_kind[AppendMany])
     for seq_id, num_computed in computed.items():
-        seq = seqs[seq_id]  # a new record, as dataclasses.replace makes it but at a third of its cost
-        seqs[seq_id] = Sequence(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids + tokens.get(seq_id, ()),
-                                seq.status, num_computed)
+        seq, new = seqs[seq_id], tokens.get(seq_id, ())
+        # All but the last of several tokens were computed on the device by the steps after the first.
+        num_computed += max(len(new) - 1, 0)
+        # A new record, as dataclasses.replace makes it but at a third of its cost.
+        seqs[seq_id] = Sequence(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids + new, seq.status,
+                                num_computed)
     blocks = block_manager.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
     parents = {}
     for fork, child_id, output in zip(by_kind[Fork], child_ids, child_outputs):
@@ -124,7 +135,7 @@ def _reached_length(seq: Sequence, max_tokens: int, max_model_len: int) -> bool:
 
 
 def _regroup(
-    state: SchedulerState, seqs: Seqs, parents: dict[int, int], dropped: set[int], sampled: set[int]
+    state: SchedulerState, seqs: Seqs, parents: dict[int, int], dropped: set[int], sampled: dict[int, int]
 ) -> tuple[BlockManagerState, tuple[SequenceGroup, ...], tuple[SequenceGroup, ...]]:
     """Rebuild the running groups from `seqs`; finish sequences that reached max_tokens or
     max_model_len; split off the groups with nothing left to generate."""
@@ -145,7 +156,7 @@ def _regroup(
         group = dataclasses.replace(
             group,
             seqs=tuple(seqs[seq_id] for seq_id in ids),
-            in_prefill=group.in_prefill and not sampled.intersection(ids),
+            in_prefill=group.in_prefill and not sampled.keys() & set(ids),
         )
         if len(group.unfinished_seqs) > num_before:
             raise SchedulerUsageError(
@@ -170,7 +181,7 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
     computed, sampled = _computed_counts(state.pending, seqs)
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
-    by_kind = {kind: [] for kind in (Append, Fork, Finish, Drop)}
+    by_kind = {kind: [] for kind in (Append, AppendMany, Fork, Finish, Drop)}
     for action in actions:
         if _target(action) not in aborted:
             by_kind[type(action)].append(action)

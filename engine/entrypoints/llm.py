@@ -59,7 +59,9 @@ class LLM:
     compile every step shape now (else on first use). tensor_parallel_size: split the model
     over that many devices (heads, MLP, vocabulary; see ``engine.worker.tensor_parallel``). async_scheduling:
     dispatch a decode step before the previous one's tokens reach the host, where that cannot
-    change the output (see ``engine.async_scheduling``).
+    change the output (see ``engine.async_scheduling``). num_scheduler_steps: decode steps per
+    dispatch when a step only decodes, sampled on the device (vLLM's multi-step scheduling; the
+    same outputs as 1, see ``engine.multi_step``).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -70,7 +72,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
@@ -78,7 +80,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,
-            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
+            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
+            num_scheduler_steps=num_scheduler_steps)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices")
     add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="dispatch a decode step before the previous one's tokens reach the host (same output, less idle time)")
+    add("--num-scheduler-steps", type=int, default=1,
+        help="decode steps per dispatch when a step only decodes, sampled on the device (same output; "
+             "fewer host round trips, new requests wait up to that many steps)")
     add("--log-level", default="info")
     return parser
 
@@ -224,7 +227,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+        tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps)
 
 
 async def _serve(server: uvicorn.Server, ready_line: str) -> None:

@@ -246,6 +246,18 @@ class ModelRunner:
         h = call("pick", x, inputs.logits_rows) if inputs.pick else x
         return ModelOutput(call("head", self.outer_params, h, inputs.metadata.argmax_rows)), new_caches
 
+    def run_steps(self, inputs: StepInputs, kv_caches, batch, steps: Sequence[int], max_steps: int):
+        """A multi-step decode of the works ``inputs`` was prepared from (a decode step): row i
+        for ``steps[i]`` steps, sampled with ``batch`` (a ``SamplingBatch`` of the inputs' rows).
+        Returns (tokens int32 [rows, max_steps], -1 past each row's steps; the sampler's
+        outputs stacked [max_steps, rows, ...]; the new kv_caches). Nothing is waited for."""
+        rows = len(inputs.input_ids)
+        per_row = np.zeros(rows, np.int32)
+        per_row[: len(steps)] = steps
+        per_row, tokens = jax.device_put((per_row, np.full((rows, max_steps), -1, np.int32)), self._inputs)
+        return stages.call("decode_steps", self.params, inputs.input_ids, inputs.positions, inputs.metadata,
+                           kv_caches, batch, per_row, tokens, config=self.config, mesh=self.mesh)
+
     def warm_up(self, kv_caches) -> None:
         """Compile every bucket now, so no step ever waits for the compiler."""
         start = time.monotonic()

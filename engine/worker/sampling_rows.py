@@ -126,9 +126,14 @@ def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:
 def dispatch(logits, rows: list[Row], pad_to: int = 1) -> tuple[SamplerOutput, SamplingBatch]:
     """:func:`sample_rows` without waiting: the sampler's device arrays, padded rows included
     (int32 tokens [pad], ...), and the batch of parameters it sampled with."""
-    num_top = max((_wanted_top(row.request) for row in rows), default=0)
-    batch = batch_for(rows, num_top, logits.shape[-1], size=pad_to)
+    batch = batch_of(rows, logits.shape[-1], pad_to)
     return _sample(logits, rows, batch), batch
+
+
+def batch_of(rows: list[Row], vocab_size: int, pad_to: int = 1) -> SamplingBatch:
+    """:func:`batch_for` ``rows``, with as many alternatives as the most any of them wants."""
+    num_top = max((_wanted_top(row.request) for row in rows), default=0)
+    return batch_for(rows, num_top, vocab_size, size=pad_to)
 
 
 def dispatch_next(logits, batch: SamplingBatch) -> tuple[SamplerOutput, SamplingBatch]:

@@ -80,13 +80,48 @@ def _advanced(positions, metadata):
             jax.numpy.where(metadata.context_lens > 0, metadata.context_lens + 1, 0))
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
+def _decode_steps(config, params, input_ids, positions, metadata, kv_caches, batch, steps, tokens):
+    """Multi-step decode: up to K decode steps in one program, each sampling on the device
+    (``sampler.sample`` with ``batch``, its ``step`` counting on) and feeding its tokens to the
+    next. Row i runs ``steps[i]`` steps (int32 [T]; 0 for padding rows), then writes nothing
+    more; the loop ends when every row is done. tokens: int32 [T, K] of -1, its width the
+    most steps. Returns (the tokens sampled, int32 [T, K] (-1 after a row's last step), the
+    sampler's other outputs stacked [K, T, ...], the new caches). With penalties, each step
+    counts the tokens of the steps before it."""
+    every_row = metadata.replace(logits_indices=jax.numpy.arange(input_ids.shape[0]))
+    forward = models.forward_fn(config)
+    shapes = jax.eval_shape(sampler.sample, jax.ShapeDtypeStruct((input_ids.shape[0], config.vocab_size),
+                                                                 jax.numpy.float32), batch)
+    stacked = jax.tree.map(lambda s: jax.numpy.zeros((tokens.shape[1], *s.shape), s.dtype), shapes)
+
+    def one_step(j, carry):
+        input_ids, positions, metadata, kv_caches, tokens, stacked = carry
+        logits, kv_caches = forward(params, input_ids, positions, metadata, kv_caches)
+        history = jax.numpy.concatenate([batch.output_tokens, tokens], axis=1) if batch.penalties else None
+        out = sampler.sample(logits, batch.replace(step=batch.step + j, output_tokens=history)
+                             if batch.penalties else batch.replace(step=batch.step + j))
+        tokens = tokens.at[:, j].set(jax.numpy.where(j < steps, out.tokens, -1))
+        stacked = jax.tree.map(lambda all_steps, this: all_steps.at[j].set(this), stacked, out)
+        going = j + 1 < steps
+        next_positions, next_slots, next_context_lens = _advanced(positions, metadata)
+        metadata = metadata.replace(slot_mapping=jax.numpy.where(going, next_slots, -1),
+                                    context_lens=jax.numpy.where(going, next_context_lens, metadata.context_lens))
+        return out.tokens, jax.numpy.where(going, next_positions, positions), metadata, kv_caches, tokens, stacked
+
+    carry = (input_ids, positions, every_row, kv_caches, tokens, stacked)
+    _, _, _, kv_caches, tokens, stacked = jax.lax.fori_loop(0, steps.max(), one_step, carry)
+    return tokens, stacked, kv_caches
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _advance(config, positions, metadata):
     """:func:`_advanced` as a program, for steps run a program per stage."""
     return _advanced(positions, metadata)
 
 
-STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode, "advance": _advance}
+STAGES = {"embed": _embed, "layer": _layer, "pick": _pick, "head": _head, "decode": _decode, "advance": _advance,
+          "decode_steps": _decode_steps}
 _compiled: dict = {}
 _lock = threading.Lock()
 

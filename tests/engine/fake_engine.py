@@ -78,29 +78,46 @@ class FakeCache:
     def run(self, state: scheduler.SchedulerState, out: scheduler.SchedulerOutput) -> dict:
         """Write every entry's tokens' KV (no slot twice), then, as the model's layers do, check
         each entry's context; return a hash of what each sampling entry attends to (its
-        'logits'). An entry may thus read blocks another entry of the step writes."""
+        'logits'). An entry may thus read blocks another entry of the step writes. A multi-step
+        decode (``num_steps`` > 1) goes on as the engine's loop does, each step writing the
+        token :func:`sample` drew from the step before: its value is the tuple of its tokens."""
         seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
         written = set()
         for work in out.scheduled:
             tokens = seqs[work.seq_ids[0]].token_ids
-            for position in range(work.start, work.context_len):
+            for position in range(work.start, work.write_end):
                 slot = self._slot(work.block_table, position)
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
-                self.device[slot] = kv_value(tokens, position)
+            for position in range(work.start, work.context_len):
+                self.device[self._slot(work.block_table, position)] = kv_value(tokens, position)
         for work in out.scheduled:
             tokens = seqs[work.seq_ids[0]].token_ids
             for seq_id in work.seq_ids:
                 assert seqs[seq_id].token_ids[: work.context_len] == tokens[: work.context_len]
             assert work.token_ids == tokens[work.start : work.context_len]
-            for position in range(work.start):
-                stored = self.device.get(self._slot(work.block_table, position))
-                assert stored == kv_value(tokens, position), f"bad KV at {position} for {work}"
-        return {work: self._logits(work) for work in out.scheduled if work.do_sample}
+            self._check_context(work, tokens, work.start)
+        return {work: self._decode_steps(work, seqs[work.seq_ids[0]].token_ids) if work.num_steps > 1
+                else self._logits(work, work.context_len) for work in out.scheduled if work.do_sample}
 
-    def _logits(self, work: scheduler.ScheduledGroupWork) -> int:
-        context = range(work.context_len)
-        return hash(tuple(self.device[self._slot(work.block_table, p)] for p in context))
+    def _check_context(self, work: scheduler.ScheduledGroupWork, tokens: tuple, end: int) -> None:
+        for position in range(end):
+            stored = self.device.get(self._slot(work.block_table, position))
+            assert stored == kv_value(tokens, position), f"bad KV at {position} for {work}"
+
+    def _decode_steps(self, work: scheduler.ScheduledGroupWork, tokens: tuple) -> tuple[int, ...]:
+        """The tokens a multi-step decode samples; the first step's KV is written already."""
+        sampled = ()
+        for step in range(work.num_steps):
+            if step:
+                position = work.context_len + step - 1
+                self.device[self._slot(work.block_table, position)] = kv_value(tokens + sampled, position)
+                self._check_context(work, tokens + sampled, position)
+            sampled += (sample(self._logits(work, work.context_len + step), 0),)
+        return sampled
+
+    def _logits(self, work: scheduler.ScheduledGroupWork, context_len: int) -> int:
+        return hash(tuple(self.device[self._slot(work.block_table, p)] for p in range(context_len)))
 
 
 def sample(logits: int, index: int) -> int:
@@ -114,6 +131,9 @@ def model_actions(state: scheduler.SchedulerState, logits: dict) -> list:
     so runs with different pools and timing make the same decisions)."""
     actions, candidates = [], {}
     for work, row in logits.items():
+        if work.num_steps > 1:
+            actions += _keep_until_eos(work.seq_ids[0], row)
+            continue
         for index, seq_id in enumerate(work.seq_ids):
             candidates.setdefault(work.request_id, []).append((seq_id, sample(row, index), row))
     for request_id, group_candidates in candidates.items():
@@ -134,6 +154,14 @@ def model_actions(state: scheduler.SchedulerState, logits: dict) -> list:
     return actions
 
 
+def _keep_until_eos(seq_id: int, tokens: tuple[int, ...]) -> list:
+    """A multi-step decode's tokens up to the first EOS, which stops the sequence."""
+    if EOS not in tokens:
+        return [scheduler.AppendMany(seq_id, tokens)]
+    return [scheduler.AppendMany(seq_id, tokens[: tokens.index(EOS) + 1]),
+            scheduler.Finish(seq_id, SequenceStatus.FINISHED_STOPPED)]
+
+
 def append_ones(out: scheduler.SchedulerOutput) -> list:
     """An Append of token 1 for every sequence `out` samples."""
     return [scheduler.Append(seq_id, 1) for w in out.scheduled if w.do_sample for seq_id in w.seq_ids]
@@ -144,8 +172,9 @@ def outputs_of(group) -> tuple:
     return tuple(sorted((seq.output_token_ids, seq.status.name) for seq in group.seqs))
 
 
-def serve(config, requests, max_steps=500):
-    """Run `requests` (arrival_step, request_id, prompt, num_seqs, max_tokens) to completion."""
+def serve(config, requests, max_steps=500, num_steps=1):
+    """Run `requests` (arrival_step, request_id, prompt, num_seqs, max_tokens) to completion,
+    with multi-step decodes of `num_steps` when the scheduler can."""
     state, results = scheduler.initial_state(config), {}
     cache = FakeCache(config.block_manager.block_size)
     for step in range(max_steps):
@@ -155,7 +184,7 @@ def serve(config, requests, max_steps=500):
                     state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs,
                     expected_output_len=max_tokens, may_fork=request_id.startswith("beam") and num_seqs > 1,
                 )
-        state, out = scheduler.schedule(state)
+        state, out = scheduler.schedule(state, num_steps=num_steps)
         cache.apply(out)
         state = scheduler.update(state, model_actions(state, cache.run(state, out)))
         results.update((group.request_id, outputs_of(group)) for group in state.finished)

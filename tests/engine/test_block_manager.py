@@ -106,8 +106,8 @@ def test_a_fork_after_a_block_appended_ahead_copies_the_block_it_writes():
     by a fork too; the next token's block, not the table's last, is then copied on write."""
     seq = Sequence(0, tuple(range(6)))
     state, _ = block_manager.allocate(block_manager.initial_state(make_config()), make_group(seq.prompt_token_ids))
-    assert block_manager.can_append_block(state, 0)
-    state = block_manager.append_block(state, 0)
+    assert block_manager.num_fresh_blocks(state, 0, 1) <= block_manager.num_free_device_blocks(state)
+    state = block_manager.append_blocks(state, {0: 1})
     assert block_manager.block_table(state, 0) == (0, 1, 2)
     state = block_manager.fork(state, 0, 5)
     state, copy = block_manager.append_slot(state, grow(seq, 7))  # position 6, in block 1, shared
@@ -270,7 +270,8 @@ def test_unreferenced_cached_blocks_are_free_and_evicted_least_recently_used():
     assert set(block_manager.block_table(state, 2)) == {1, 3, 0}
     assert not prefix_cache.is_cached(state.prefix_cache, 0)
     # Only the cached block 2 is left: a block reserved ahead evicts it, as the next append_slot would.
-    assert block_manager.can_append_block(state, 2)
+    assert block_manager.num_free_device_blocks(state) == 1
+    assert block_manager.block_table(block_manager.append_blocks(state, {2: 1}), 2)[-1] == 2
     state = block_manager.free(state, 2)
     _, num_cached = block_manager.allocate(state, make_group([2] * 4 + [0], first_seq_id=3))
     assert num_cached == 4
@@ -295,3 +296,18 @@ def test_free_list_hands_out_blocks_first_in_first_out(operations):
         assert list(free) == model and len(free) == len(model)
         assert list(before) == before_model
     assert free == block_pool.FreeList.of(model) and hash(free) == hash(block_pool.FreeList.of(model))
+
+
+def test_blocks_appended_for_several_sequences_come_from_reservations_first():
+    """Orca reservations hold a sequence's blocks from admission: appending ahead takes those
+    first, then fresh blocks from the pool, all at once."""
+    state = block_manager.initial_state(make_config(reservation="orca-max", max_model_len=16))
+    state, _ = block_manager.allocate(state, make_group(range(3)))
+    state, _ = block_manager.allocate(state, make_group(range(3), first_seq_id=1))
+    reserved = state.seqs[0].reserved
+    assert block_manager.num_fresh_blocks(state, 0, len(reserved) + 1) == 1
+    state = block_manager.append_blocks(state, {0: 2, 1: 1})
+    assert block_manager.block_table(state, 0)[1:] == reserved[:2] and state.seqs[0].reserved == reserved[2:]
+    for seq_id in (0, 1):
+        state = block_manager.free(state, seq_id)
+    assert block_manager.num_free_device_blocks(state) == state.config.num_device_blocks

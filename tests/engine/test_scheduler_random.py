@@ -54,10 +54,11 @@ def requests(draw):
 
 
 @SETTINGS
-@given(config=configs(), arrivals=st.lists(st.tuples(st.integers(0, 4), requests()), max_size=8))
-def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
-    """Random tiny pools, budgets and policies: every request that is not refused produces
-    exactly what it produces with ample memory."""
+@given(config=configs(), arrivals=st.lists(st.tuples(st.integers(0, 4), requests()), max_size=8),
+       num_steps=st.sampled_from([1, 1, 2, 3, 8]))
+def test_outputs_do_not_depend_on_memory_pressure(config, arrivals, num_steps):
+    """Random tiny pools, budgets and policies, with multi-step decodes or not: every request
+    that is not refused produces exactly what it produces with ample memory, one step at a time."""
     timed = [
         (arrival, f"{'beam' if i % 3 else 'req'}{i}", prompt, min(n, config.max_num_seqs), limit)
         for i, (arrival, (prompt, n, limit, _, _)) in enumerate(arrivals)
@@ -65,7 +66,7 @@ def test_outputs_do_not_depend_on_memory_pressure(config, arrivals):
     ample_blocks = dataclasses.replace(config.block_manager, num_device_blocks=512, watermark=0.0)
     ample = dataclasses.replace(config, max_num_batched_tokens=256, block_manager=ample_blocks)
     expected, _ = serve(ample, timed)
-    results, _ = serve(config, timed)
+    results, _ = serve(config, timed, num_steps=num_steps)
     for request_id, outputs in results.items():
         if "FINISHED_IGNORED" not in {status for _, status in outputs}:
             assert outputs == expected[request_id]
@@ -77,6 +78,15 @@ def draw_actions(data, state: scheduler.SchedulerState, logits: dict) -> list:
     actions, room = [], collections.Counter()
     kept = {group.request_id: len(group.seqs) for group in state.running}
     for work, row in logits.items():
+        if work.num_steps > 1:  # the tokens of a multi-step decode: keep them all, or stop after some
+            (seq_id,) = work.seq_ids
+            kind = data.draw(st.sampled_from(["append"] * 5 + ["stop"]))
+            kept_tokens = row if kind == "append" else row[: data.draw(st.integers(1, len(row)))]
+            actions.append(scheduler.AppendMany(seq_id, kept_tokens))
+            if kind == "stop":
+                actions.append(scheduler.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
+                room[work.request_id] += 1
+            continue
         for index, seq_id in enumerate(work.seq_ids):
             token = sample(row, index)
             kind = data.draw(st.sampled_from(["append"] * 20 + ["stop", "drop", "fork", "fork"]))
@@ -148,8 +158,9 @@ def check_plan(
         assert max(admitted) < min(still_waiting)
     refcounts = after.blocks.device.refcounts
     for work in out.scheduled:
-        for index in {p // size for p in range(work.start, work.context_len)}:
-            block, completed = work.block_table[index], (index + 1) * size <= work.context_len
+        assert work.num_steps == 1 or (not work.is_prefill and len(work.seq_ids) == 1)
+        for index in {p // size for p in range(work.start, work.write_end)}:
+            block, completed = work.block_table[index], (index + 1) * size <= work.write_end
             shared = refcounts[block] > len(work.seq_ids)
             assert refcounts[block] >= len(work.seq_ids) and (completed or not shared), f"shared block {block} written"
         for seq_id in work.seq_ids:
@@ -190,7 +201,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, data):
         admit = data.draw(st.integers(0, 4)) > 0  # the engine defers admissions behind a lookahead
-        state, out = scheduler.schedule(self.state, admit=admit)
+        num_steps = data.draw(st.sampled_from([1, 1, 2, 4]))
+        state, out = scheduler.schedule(self.state, admit=admit, num_steps=num_steps)
         check_plan(self.state, state, out)
         if not admit:
             assert not out.blocks_to_swap_in and {g.request_id for g in self.state.waiting} <= {
@@ -202,6 +214,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event(name)
         if out.ignored:
             event("ignored")
+        if out.num_steps > 1:
+            event("multi-step decode")
         if any(len(w.seq_ids) > 1 for w in out.scheduled):
             event("shared prefill")
         if any(w.is_prefill and not w.do_sample for w in out.scheduled):
@@ -217,7 +231,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             state = scheduler.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
-        self._record(("step", admit, aborted, tuple(actions)), scheduler.update(state, actions))
+        self._record(("step", admit, num_steps, aborted, tuple(actions)), scheduler.update(state, actions))
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")
 
@@ -241,8 +255,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif call[0] == "abort":
                 state = scheduler.abort(state, call[1])
             else:
-                _, admit, aborted, actions = call
-                state, _ = scheduler.schedule(state, admit=admit)
+                _, admit, num_steps, aborted, actions = call
+                state, _ = scheduler.schedule(state, admit=admit, num_steps=num_steps)
                 state = scheduler.update(scheduler.abort(state, aborted) if aborted else state, actions)
             assert state == expected
 

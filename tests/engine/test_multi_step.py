@@ -1,0 +1,141 @@
+"""Multi-step decode (``num_scheduler_steps``, ``engine.multi_step``): the same outputs as one
+step per dispatch, whatever stops mid-loop, preempts, aborts or arrives; no block leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.tiny import ENGINE, prompts, tiny_llm
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    """(one step per dispatch, 8 per dispatch, the checkpoint's directory, vocabulary size)."""
+    directory = tmp_path_factory.mktemp("tiny")
+    single, config = tiny_llm("llama_gqa_tied", directory)
+    multi = LLM(str(directory), **{**ENGINE, "num_scheduler_steps": STEPS})
+    return single, multi, directory, config.vocab_size
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
+    assert stats.host_blocks_free == stats.host_blocks_total
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaks(llms):
+    yield
+    for llm in llms[:2]:
+        assert_no_block_held(llm)
+
+
+def seen(output) -> list:
+    """What a user reads of a request's output; log-probabilities to float32's last bits (the
+    loop is another XLA program than the single step's, which may round them otherwise)."""
+    return [(c.token_ids, c.finish_reason, c.stop_reason,
+             None if c.cumulative_logprob is None else round(c.cumulative_logprob, 3),
+             [sorted((t, round(lp.logprob, 5), lp.rank) for t, lp in step.items()) for step in c.logprobs or []])
+            for c in output.outputs]
+
+
+def every_kind(vocab: int) -> list[SamplingParams]:
+    """Requests of every sampling setting the loop runs on the device, and ones it cannot."""
+    stops = list(range(3, vocab, 41))  # frequent enough to end sequences in the middle of a loop
+    return [
+        SamplingParams(temperature=0, max_tokens=30, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=25),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=13),
+        SamplingParams(temperature=0.9, min_p=0.1, seed=2, max_tokens=21, logprobs=2),
+        SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=19),
+        SamplingParams(n=2, best_of=3, temperature=1.0, seed=13, max_tokens=11),
+        SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=27),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=17, max_tokens=22),
+        SamplingParams(temperature=1.0, seed=19, max_tokens=40, stop_token_ids=stops),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0.7, seed=3, min_tokens=12, max_tokens=24, stop_token_ids=stops),
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+    ]
+
+
+def test_outputs_equal_those_of_single_steps(llms):
+    single, multi, _, vocab = llms
+    params = every_kind(vocab)
+    batch = prompts(len(params), vocab, seed=4)
+    loops = multi.engine.counters.multi_steps
+    expected = single.generate(batch, params, use_tqdm=False)
+    outputs = multi.generate(batch, params, use_tqdm=False)
+    assert [seen(o) for o in outputs] == [seen(o) for o in expected]
+    assert multi.engine.counters.multi_steps > loops
+    # some sequence stopped inside a loop, short of its max_tokens
+    assert any(c.finish_reason == "stop" and 0 < len(c.token_ids) % STEPS for o in outputs for c in o.outputs)
+
+
+def test_a_lone_greedy_sequence_runs_in_loops_of_the_steps_asked(llms):
+    single, multi, _, vocab = llms
+    greedy = SamplingParams(temperature=0, max_tokens=61, ignore_eos=True)
+    prompt = prompts(1, vocab, seed=8)
+    steps, loops = multi.engine.counters.steps, multi.engine.counters.multi_steps
+    (ours,) = multi.generate(prompt, greedy, use_tqdm=False)
+    assert seen(ours) == seen(single.generate(prompt, greedy, use_tqdm=False)[0])
+    # the prefill samples the first token, then 60 more in loops of 8, the last of 4
+    assert multi.engine.counters.steps - steps == 1 + 8
+    assert multi.engine.counters.multi_steps - loops == 8
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_resume_with_the_same_output(llms, mode):
+    """A pool too small for every sequence: multi-step reservations that do not fit fall back
+    to single steps, sequences are preempted and resumed, and each gets its unconstrained output."""
+    single, _, directory, vocab = llms
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(8)]
+    batch = prompts(len(params), vocab, seed=6)
+    small = LLM(str(directory), **{**ENGINE, "num_blocks": 24, "preemption_mode": mode,
+                                   "num_scheduler_steps": STEPS})
+    outputs = small.generate(batch, params, use_tqdm=False)
+    assert [seen(o) for o in outputs] == [seen(o) for o in single.generate(batch, params, use_tqdm=False)]
+    assert small.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
+    assert small.engine.counters.multi_steps > 0
+    assert_no_block_held(small)
+
+
+def _run(llm: LLM, arrivals: dict[int, list], aborts: dict[int, str] | None = None) -> dict:
+    """Drive ``llm.engine`` step by step: requests ``(request_id, prompt, params)`` added
+    before step ``i`` of ``arrivals[i]``, request ids aborted before step ``i`` of ``aborts``.
+    Returns each request's last output."""
+    engine, finals, step = llm.engine, {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        if (aborts or {}).get(step):
+            engine.abort_request(aborts[step])
+        finals.update((output.request_id, output) for output in engine.step())
+        step += 1
+    return finals
+
+
+def test_requests_arriving_or_aborted_during_loops(llms):
+    """Arrivals join at the next step (a prefill, then loops again); a request aborted between
+    loops frees its blocks; the others' outputs are those of single steps."""
+    single, multi, _, vocab = llms
+    batch = prompts(6, vocab, seed=9)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=30 + i, ignore_eos=True) for i in range(6)]
+    requests = [(f"r{i}", prompt, p) for i, (prompt, p) in enumerate(zip(batch, params))]
+    arrivals = {0: requests[:3], 2: requests[3:5], 3: requests[5:]}
+    loops = multi.engine.counters.multi_steps
+    ours = _run(multi, arrivals, aborts={3: "r1"})
+    assert multi.engine.counters.multi_steps - loops >= 3
+    # aborted (no output after that, as in vLLM) after a loop or more
+    assert ours["r1"].outputs[0].finish_reason is None and 1 < len(ours["r1"].outputs[0].token_ids) < 31
+    assert "r1" not in multi.engine.requests
+    expected = _run(single, {0: [r for r in requests if r[0] != "r1"]})
+    for request_id, output in expected.items():
+        assert seen(ours[request_id]) == seen(output)
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1"):
+        LLM(num_scheduler_steps=0)
