@@ -54,13 +54,14 @@ class OutputProcessor:
                      logprobs: list[float]) -> list:
         """Record each of ``rows``' token (``tokens[i]``, ``logprobs[i]`` for its index ``i``);
         the actions that follow."""
-        actions = []
+        actions, tokenizer = [], self._detokenizer(request)
         for row, i in zip(rows, indices):
             token = tokens[i]
-            stop = self._record_token(request, row.seq_id, sampled, i, token, logprobs[i])
+            entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer)
             actions.append(Append(row.seq_id, token))
-            if stop:
+            if request.record(row.seq_id, token, logprobs[i], entry, tokenizer):
                 actions.append(self._finish(request, row.seq_id))
+        self.counters.generation_tokens += len(rows)
         return actions
 
     def record_steps(self, rows, tokens, sampled, touched) -> list:
@@ -72,28 +73,30 @@ class OutputProcessor:
         for i, (row, row_tokens) in enumerate(zip(rows, tokens.tolist())):
             request = row.request
             touched[request.request_id] = request
+            tokenizer, entries = self._detokenizer(request), request.num_logprobs is not None
             kept, stop = [], False
             for j, token in enumerate(row_tokens):
                 if token < 0 or stop:
                     break
                 kept.append(token)
-                stop = self._record_token(request, row.seq_id, sampled, (j, i), token, logprobs[j][i])
+                entry = self._logprobs_entry(request, sampled, (j, i), token, logprobs[j][i], tokenizer) \
+                    if entries else None
+                stop = request.record(row.seq_id, token, logprobs[j][i], entry, tokenizer)
+            self.counters.generation_tokens += len(kept)
             actions.append(AppendMany(row.seq_id, tuple(kept)))
             if stop:
                 actions.append(self._finish(request, row.seq_id))
         return actions
 
-    def _record_token(self, request: RequestState, seq_id: int, sampled, at, token: int, logprob: float) -> bool:
-        """Record one sampled ``token`` of ``seq_id`` (its sampler outputs at index ``at`` of
-        ``sampled``'s arrays); whether the sequence stops there."""
-        step_logprobs = None
-        tokenizer = self._detokenizer(request)
-        if request.num_logprobs is not None:
-            step_logprobs = token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[at])),
-                                           sampled.top_tokens[at][: request.num_logprobs].tolist(),
-                                           sampled.top_logprobs[at][: request.num_logprobs].tolist())
-        self.counters.generation_tokens += 1
-        return request.record(seq_id, token, logprob, step_logprobs, tokenizer)
+    @staticmethod
+    def _logprobs_entry(request: RequestState, sampled, at, token: int, logprob: float, tokenizer):
+        """The log-probabilities entry of ``token`` (its sampler outputs at index ``at`` of
+        ``sampled``'s arrays), when ``request`` asks for them; else None."""
+        if request.num_logprobs is None:
+            return None
+        return token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[at])),
+                              sampled.top_tokens[at][: request.num_logprobs].tolist(),
+                              sampled.top_logprobs[at][: request.num_logprobs].tolist())
 
     @staticmethod
     def _finish(request: RequestState, seq_id: int) -> Finish:

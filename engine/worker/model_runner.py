@@ -14,6 +14,7 @@ difference shows most, run the whole model as one program.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -110,6 +111,16 @@ class ModelOutput:
     next_inputs: StepInputs | None = None
 
 
+def _fill_tables(block_tables: np.ndarray, works: Sequence[ScheduledGroupWork]) -> None:
+    """Write each work's block table into its row of ``block_tables`` (int32 [rows, max_blocks],
+    zeros), all rows in one assignment."""
+    lengths = np.fromiter((len(work.block_table) for work in works), np.int64, len(works))
+    flat = np.fromiter(itertools.chain.from_iterable(work.block_table for work in works), np.int32,
+                       int(lengths.sum()))
+    rows = np.repeat(np.arange(len(works)), lengths)
+    block_tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = flat
+
+
 def _abstract(tree):
     """``tree`` with every array (or ``jax.ShapeDtypeStruct``) as a ``jax.ShapeDtypeStruct`` of
     the same shape, dtype and sharding (those already abstract as they are): what lowering
@@ -171,19 +182,26 @@ class ModelRunner:
         block_tables = np.zeros((num_rows, self.max_blocks), np.int32)
         context_lens = np.zeros(num_rows, np.int32)
         query_start_loc = np.zeros(num_rows + 1, np.int32)
+        _fill_tables(block_tables, works)
+        if decode_only:  # a token per work: whole columns at once
+            n = len(works)
+            input_ids[:n] = [work.token_ids[0] for work in works]
+            positions[:n] = [work.start for work in works]
+            context_lens[:n] = positions[:n] + 1
+            query_start_loc[1:] = np.minimum(np.arange(1, num_rows + 1), n)
         cursor = 0
-        for row, work in enumerate(works):
+        for row, work in enumerate(works if not decode_only else ()):
             n = len(work.token_ids)
             span = slice(cursor, cursor + n)
             input_ids[span] = work.token_ids
             positions[span] = np.arange(work.start, work.start + n)
-            table = np.asarray(work.block_table, np.int32)
-            block_tables[row, : len(table)] = table
-            size = self.block_size
-            slot_mapping[span] = table[positions[span] // size] * size + positions[span] % size
             context_lens[row] = work.context_len
             cursor += n
             query_start_loc[row + 1 :] = cursor
+        real = slice(0, int(query_start_loc[-1]))
+        rows = np.repeat(np.arange(len(works)), np.diff(query_start_loc[: len(works) + 1]))
+        size = self.block_size
+        slot_mapping[real] = block_tables[rows, positions[real] // size] * size + positions[real] % size
         pick = not (decode_only and list(logits_tokens) == list(range(len(works))))
         sizes = self.decode_buckets if not pick else (
             self.token_buckets if len(logits_tokens) > self.max_num_seqs else self.logits_buckets)
