@@ -23,17 +23,21 @@ def table_rows(text: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
-    text = host_overhead.main(["--quick", "--num-seqs", "2,4", "--output-tokens", "6", "--rounds", "1"])
+    text = host_overhead.main(["--quick", "--num-seqs", "2,4", "--output-tokens", "6", "--rounds", "1",
+                               "--num-scheduler-steps", "1,4"])
     assert sorted(path.name for path in results.iterdir()) == ["host_overhead_quick.md", "host_overhead_quick.png"]
     assert (results / "host_overhead_quick.md").read_text() == text + "\n"
     assert "Command: `PYTHONPATH=. python -m benchmarks.host_overhead --quick" in text and "Machine: " in text
     rows = table_rows(text)
-    assert [(row[0], row[1]) for row in rows] == [("greedy", "2"), ("greedy", "4"), ("sampled", "2"), ("sampled", "4")]
+    assert [tuple(row[:3]) for row in rows] == [(mode, k, n) for mode in ("greedy", "sampled") for k in ("1", "4")
+                                                for n in ("2", "4")]
     for row in rows:
-        # 6 tokens: the first from the prefill step, then 5 steps in which every sequence decodes.
-        assert row[2] == "5"
-        assert float(row[3]) > 0 and float(row[4]) >= float(row[3]) and float(row[-1]) > 0
-    assert len(rows[0]) == len(host_overhead.headers(host_overhead.multi_step_supported()))
+        # 6 tokens: the first from the prefill step, then 5 steps in which every sequence decodes
+        # (k=4: a loop of 4 and a step of 1, the sequences' last token).
+        assert row[3] == ("5" if row[1] == "1" else "2")
+        assert float(row[4]) > 0 and float(row[5]) >= float(row[4]) and float(row[-1]) > 0
+        assert float(row[7]) <= float(row[4])
+    assert len(rows[0]) == len(host_overhead.headers())
 
 
 def test_a_pass_times_only_the_steps_in_which_every_sequence_decodes(tmp_path):
@@ -51,6 +55,6 @@ def test_ratio_is_given_only_when_both_counts_were_measured():
     def result(count, ms):
         return host_overhead.Result(count, "greedy", [ms / 1e3], [1.0], 10, 0.1)
 
-    rows = host_overhead.table_rows([result(256, 2.0), result(512, 5.0)], multi_step=False)
-    assert rows[0][6] == "1.5" and rows[1][7] == "2.50 (target <= 2.1)"
-    assert host_overhead.table_rows([result(512, 5.0)], multi_step=False)[0][7] == "n/a (no N=256)"
+    rows = host_overhead.table_rows([result(256, 2.0), result(512, 5.0)])
+    assert rows[0][8] == "1.5" and rows[1][9] == "2.50 (target <= 2.1)"
+    assert host_overhead.table_rows([result(512, 5.0)])[0][9] == "n/a (no N=256)"

@@ -25,6 +25,9 @@ CONFIGS = {
     "prefix_caching": dict(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, enable_prefix_caching=True),
     "preempt_recompute": dict(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=512, preemption_mode="recompute"),
     "preempt_swap": dict(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=512, preemption_mode="swap"),
+    "multi_step": dict(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, num_scheduler_steps=8),
+    "multi_step_preempt_swap": dict(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=512, preemption_mode="swap",
+                                    num_scheduler_steps=8),
 }
 
 
@@ -40,8 +43,10 @@ def test_greedy_equals_hugging_face(name, parity_prompts, hf_parity):
     outputs = llm.generate(parity_prompts, GREEDY, use_tqdm=False)
     for prompt, output, expected in zip(parity_prompts, outputs, hf_parity):
         assert list(output.outputs[0].token_ids) == expected, llm.get_tokenizer().decode(prompt)
-    if name.startswith("preempt"):
+    if "preempt" in name:
         assert llm.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
+    if name.startswith("multi_step"):
+        assert llm.engine.counters.multi_steps > 0
     assert_all_blocks_free(llm)
 
 

@@ -194,3 +194,21 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
     assert all(lp.decoded_token is None for step in without.logprobs for lp in step.values())
     with pytest.raises(ValueError, match="stop must be empty when detokenize is False"):
         SamplingParams(stop=["."], detokenize=False)
+
+
+def test_multi_step_decode_stops_where_single_steps_do(llm):
+    """Stop strings, stop tokens and EOS that end a sequence in the middle of a loop of 8 steps:
+    the same text, tokens and reasons as one step at a time, and every block freed."""
+    multi = LLM(**COMMON, **CONFIGS["batched"], num_scheduler_steps=8)
+    prompts = ["Count: one, two, three,", "The capital of France is", "List three colours:", "Say hi."]
+    params = [SamplingParams(temperature=0, max_tokens=40, stop=[" five", "Paris"]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=37, stop=["."], include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=29, logprobs=2, stop_token_ids=[28]),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=60)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    outputs = multi.generate(prompts, params, use_tqdm=False)
+    seen = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in expected]
+    assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == seen
+    assert multi.engine.counters.multi_steps > 0
+    stats = multi.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
