@@ -95,12 +95,13 @@ def random_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]
     return [rng.integers(3, vocab_size, n).tolist() for n in lengths]
 
 
-def engine_throughput(directory: pathlib.Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, int]:
-    """Our engine on ``prompts`` (max_num_seqs: all of them): (start-up seconds, generation
-    seconds after a warm-up request, tokens generated)."""
+def engine_throughput(directory: pathlib.Path, prompts: list[list[int]], new_tokens: int,
+                      num_scheduler_steps: int = 1) -> tuple[float, float, int]:
+    """Our engine on ``prompts`` (max_num_seqs: all of them), ``num_scheduler_steps`` decode steps
+    per dispatch: (start-up seconds, generation seconds after a warm-up request, tokens generated)."""
     start = time.perf_counter()
     llm = LLM(model=str(directory), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=len(prompts),
-              warmup=True)
+              warmup=True, num_scheduler_steps=num_scheduler_steps)
     startup = time.perf_counter() - start
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
@@ -166,28 +167,30 @@ def hf_throughput(directory: pathlib.Path, prompts: list[list[int]], new_tokens:
     return tokens / seconds
 
 
-def model_rows(name: str, counts: list[int], new_tokens: int, quick: bool) -> list[list]:
-    """Table rows for one model: a row per prompt count, HF measured on the first count's prompts."""
+def model_rows(name: str, counts: list[int], new_tokens: int, quick: bool, steps: list[int]) -> list[list]:
+    """Table rows for one model: a row per prompt count and ``num_scheduler_steps``, HF measured
+    on the first count's prompts."""
     config = model_config(name, quick)
     with tempfile.TemporaryDirectory(prefix=f"gpu-throughput-{name}-") as folder:
         directory = write_checkpoint(config, pathlib.Path(folder))
         hf = hf_throughput(directory, random_prompts(counts[0], config.vocab_size), new_tokens)
-        runs = {count: engine_throughput(directory, random_prompts(count, config.vocab_size), new_tokens)
-                for count in counts}
+        runs = {(count, k): engine_throughput(directory, random_prompts(count, config.vocab_size), new_tokens, k)
+                for count in counts for k in steps}
     rows = []
-    for count, (startup, seconds, tokens) in runs.items():
+    for (count, k), (startup, seconds, tokens) in runs.items():
         ours = tokens / seconds
         if isinstance(hf, str):
             hf_cell, versus = hf, "n/a"
         else:
             where = "" if count == counts[0] else f" (on {counts[0]} prompts)"
             hf_cell, versus = f"{hf:,.0f}{where}", f"{ours / hf:.2f}"
-        rows.append([name, count, new_tokens, f"{startup:.1f}", f"{seconds:.2f}", f"{ours:,.0f}", hf_cell, versus])
+        rows.append([name, count, k, new_tokens, f"{startup:.1f}", f"{seconds:.2f}", f"{ours:,.0f}", hf_cell,
+                     versus])
     return rows
 
 
-HEADERS = ["model", "prompts = max_num_seqs", "new tokens each", "engine start-up s", "ours s", "ours tokens/s",
-           "HF generate tokens/s", "ours / HF"]
+HEADERS = ["model", "prompts = max_num_seqs", "num_scheduler_steps", "new tokens each", "engine start-up s", "ours s",
+           "ours tokens/s", "HF generate tokens/s", "ours / HF"]
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="comma-separated prompt counts, a row each (default 256,512; quick 8,16)")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="tokens generated per prompt (default 128; quick 8)")
+    parser.add_argument("--num-scheduler-steps", default="1,8",
+                        help="comma-separated decode steps per dispatch, a row each (default 1,8)")
     args = parser.parse_args(argv)
     require_gpu_unless_quick(args.quick)
     names = args.models.split(",")
@@ -209,7 +214,8 @@ def main(argv: list[str] | None = None) -> str:
     new_tokens = args.new_tokens or (8 if args.quick else 128)
     top = header("benchmarks.gpu_throughput", list(sys.argv[1:] if argv is None else argv),
                  ("torch", "transformers", "safetensors"))
-    rows = [row for name in names for row in model_rows(name, counts, new_tokens, args.quick)]
+    steps = [int(k) for k in args.num_scheduler_steps.split(",")]
+    rows = [row for name in names for row in model_rows(name, counts, new_tokens, args.quick, steps)]
     shapes = "2-layer, 1024-token-vocabulary versions of the models" if args.quick else "the models' real shapes"
     note = (f"Random weights in {shapes}, bfloat16; prompts of {PROMPT_LENS[0]}-{PROMPT_LENS[1]} random tokens, "
             f"greedy, ignore_eos; ours max_model_len {MAX_MODEL_LEN}, warm-up on; HF static batches of {HF_BATCH}, "

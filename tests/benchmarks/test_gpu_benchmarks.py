@@ -59,16 +59,19 @@ def test_kernels_quick_marks_gpu_columns_and_writes_only_the_quick_file(results)
 @off_gpu
 @pytest.mark.slow
 def test_throughput_quick_runs_both_systems_and_writes_only_the_quick_file(results):
-    text = gpu_throughput.main(["--quick", "--models", "smollm2", "--num-prompts", "4", "--new-tokens", "2"])
+    text = gpu_throughput.main(["--quick", "--models", "smollm2", "--num-prompts", "4", "--new-tokens", "3",
+                                "--num-scheduler-steps", "1,2"])
     assert [path.name for path in results.iterdir()] == ["gpu_throughput_quick.md"]
-    ((_, prompts, new_tokens, startup, seconds, ours, hf, versus),) = table_rows(text, "smollm2")
-    assert (prompts, new_tokens) == ("4", "2") and positive(startup) and positive(seconds) and positive(ours)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        assert (hf, versus) == (gpu_throughput.NO_TORCH, "n/a")
-    else:
-        assert positive(hf) and positive(versus)
+    rows = table_rows(text, "smollm2")
+    assert [(row[1], row[2], row[3]) for row in rows] == [("4", "1", "3"), ("4", "2", "3")]
+    for (_, _, _, _, startup, seconds, ours, hf, versus) in rows:
+        assert positive(startup) and positive(seconds) and positive(ours)
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            assert (hf, versus) == (gpu_throughput.NO_TORCH, "n/a")
+        else:
+            assert positive(hf) and positive(versus)
 
 
 @off_gpu
