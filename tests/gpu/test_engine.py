@@ -47,6 +47,22 @@ def test_preemption_leaves_the_output_unchanged(mode, tmp_path):
     assert_all_blocks_free(small)
 
 
+def test_multi_step_decode_leaves_the_output_unchanged(tmp_path):
+    """Loops of 8 decode steps sampled on the device (with and without a loop dispatched while
+    the one before runs): the tokens of one step at a time, greedy and seeded."""
+    llm, config = tiny_llm("llama_gqa_tied", tmp_path)
+    batch = prompts(12, config.vocab_size, seed=3)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=21) if i % 2 else GREEDY
+              for i in range(len(batch))]
+    want = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    for async_scheduling in (True, False):
+        multi = LLM(str(tmp_path), **{**ENGINE, "num_scheduler_steps": 8, "async_scheduling": async_scheduling})
+        got = [o.outputs[0].token_ids for o in multi.generate(batch, params, use_tqdm=False)]
+        assert multi.engine.counters.multi_steps > 0
+        assert got == want
+        assert_all_blocks_free(multi)
+
+
 @gpu_only
 def test_the_pool_is_sized_from_the_device_memory(tmp_path):
     llm, _ = tiny_llm("llama_gqa_tied", tmp_path, num_blocks=None, gpu_memory_utilization=0.3)
