@@ -58,17 +58,17 @@ class InFlightStep:
 
 @dataclasses.dataclass(frozen=True)
 class Lookahead:
-    """A decode step dispatched before the scheduler decided it: its works (placeholder tokens),
-    and its sampling."""
+    """A decode step (or a multi-step decode's loop: ``engine.multi_step``) dispatched before
+    the scheduler decided it: its works (placeholder tokens), and its sampling."""
 
     works: tuple[ScheduledGroupWork, ...]
-    in_flight: InFlightStep
+    in_flight: object  # InFlightStep, or multi_step.InFlightSteps
 
 
 def _key(work: ScheduledGroupWork) -> tuple:
     """What the scheduler decides about a work, without its token (the lookahead's is on the
     device) and its block table (see :func:`computed`)."""
-    return work.request_id, work.seq_ids, work.start, work.is_prefill, work.do_sample
+    return work.request_id, work.seq_ids, work.start, work.is_prefill, work.do_sample, work.num_steps
 
 
 def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
@@ -87,14 +87,14 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     for work in works:
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
-                or len(work.seq_ids) != 1 or not _sampling_is_static(request, work.seq_ids[0])
+                or len(work.seq_ids) != 1 or not sampling_is_static(request, work.seq_ids[0])
                 or work.start + 1 >= len(work.block_table) * block_size  # the next token's slot is not held
                 or len(request.generated(work.seq_ids[0])) + 1 >= request.max_tokens):
             return False
     return True
 
 
-def _sampling_is_static(request: RequestState, seq_id: int) -> bool:
+def sampling_is_static(request: RequestState, seq_id: int) -> bool:
     """Whether the sampler's inputs for ``seq_id``'s next token do not depend on this step's
     token: no penalties (they count it), no bad words (they look at it), ``min_tokens``
     reached (the step after this one must not ban EOS); not beam search."""

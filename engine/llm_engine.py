@@ -86,10 +86,9 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._output_processor = OutputProcessor(self.tokenizer, self.counters)
         self._lookahead: async_scheduling.Lookahead | None = None
-        # Neither under a mesh (untested there). A lookahead would take the decode steps that
-        # multi-step decode runs k at a time, so there is one or the other.
+        # Neither under a mesh (untested there).
         self._num_steps = config.num_scheduler_steps if mesh is None else 1
-        self._async = config.async_scheduling and mesh is None and self._num_steps == 1
+        self._async = config.async_scheduling and mesh is None
         self._seeds = np.random.default_rng(config.seed)
         # Any end of sequence the checkpoint names: config, generation config and tokenizer (as vLLM).
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -227,7 +226,7 @@ class LLMEngine:
         With ``async_scheduling``, a decode step may already have run as the previous step's
         lookahead (:mod:`engine.async_scheduling`): then its tokens are taken instead of running it.
         With ``num_scheduler_steps`` k > 1, a step that only decodes runs up to k decode steps
-        (:mod:`engine.multi_step`).
+        (:mod:`engine.multi_step`), and its lookahead is the loop after it.
         """
         ahead, self._lookahead = self._lookahead, None
         num_steps = self._num_steps if self._num_steps > 1 and multi_step.allowed(self.state.running,
@@ -251,9 +250,9 @@ class LLMEngine:
                 self.cache.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
                 blocks_moved = True
                 in_flight = self._dispatch(plan.scheduled, plan.num_steps) if plan.scheduled else None
-            if in_flight is not None and self._async and \
-                    async_scheduling.eligible(plan.scheduled, self.requests, self.state, self.config.block_size):
-                self._lookahead = self._dispatch_lookahead(plan.scheduled, in_flight)
+            self.counters.multi_steps += int(plan.num_steps > 1)
+            if in_flight is not None and self._async:
+                self._lookahead = self._dispatch_lookahead(plan, in_flight)
             actions = self._record(in_flight, touched) if in_flight is not None else []
             self.state = scheduler.update(self.state, actions)
         except BaseException as error:
@@ -272,7 +271,7 @@ class LLMEngine:
         start the new ones sooner only by the host's turnaround between two steps."""
         state, plan = scheduler.schedule(self.state, num_steps=num_steps)
         if ahead is not None and self.state.waiting and not async_scheduling.computed(ahead.works, plan):
-            deferred, without = scheduler.schedule(self.state, admit=False)
+            deferred, without = scheduler.schedule(self.state, admit=False, num_steps=num_steps)
             if async_scheduling.computed(ahead.works, without):
                 return deferred, without
         return state, plan
@@ -302,7 +301,6 @@ class LLMEngine:
         which wait for the logits); None when nothing samples. ``num_steps`` > 1: the works are
         a multi-step decode."""
         if num_steps > 1:
-            self.counters.multi_steps += 1
             in_flight, self.cache.kv_caches = multi_step.dispatch(
                 self.runner, self.cache.kv_caches, works, self.requests, self._num_steps, self.model_config.vocab_size)
             return in_flight
@@ -327,7 +325,22 @@ class LLMEngine:
         sampled, batch = sampling_rows.dispatch(logits, rows, pad_to=pad_to)
         return async_scheduling.InFlightStep(tuple(rows), sampled, inputs, batch, out.next_inputs, tables)
 
-    def _dispatch_lookahead(self, works, in_flight: async_scheduling.InFlightStep) -> async_scheduling.Lookahead | None:
+    def _dispatch_lookahead(self, plan: scheduler.SchedulerOutput, in_flight) -> async_scheduling.Lookahead | None:
+        """Dispatch the step after ``plan``'s, whose sampling ``in_flight`` is, when it can be
+        (:func:`engine.async_scheduling.eligible`; after a multi-step decode, the next loop:
+        :func:`engine.multi_step.next_works`); None otherwise. With multi-step decode, no
+        single-step lookahead: the step after would be a loop."""
+        works = plan.scheduled
+        if plan.num_steps > 1:
+            ahead, self.cache.kv_caches = multi_step.dispatch_lookahead(
+                self.runner, self.cache.kv_caches, works, self.requests, self.state, in_flight, self._num_steps)
+            return ahead
+        if self._num_steps == 1 and async_scheduling.eligible(works, self.requests, self.state, self.config.block_size):
+            return self._dispatch_step_lookahead(works, in_flight)
+        return None
+
+    def _dispatch_step_lookahead(self, works, in_flight: async_scheduling.InFlightStep
+                                 ) -> async_scheduling.Lookahead | None:
         """Dispatch the decode after ``works`` (see :func:`engine.async_scheduling.eligible`), its input
         tokens ``in_flight``'s samples on the device. None when the step picked its logits rows,
         or padded its samples to another size."""

@@ -17,7 +17,16 @@ tokens), and tokens past a stop are never recorded, their KV written only in blo
 sequence held alone and frees. What depends on the host between two tokens falls back to
 single steps (:func:`allowed`): beam search, bad words, and ``min_tokens`` not reached (EOS is
 banned until then). Prompts, swaps and preemptions are never in a multi-step plan (the
-scheduler's ``_only_decodes``), so a request that arrives waits at most for the loop running.
+scheduler's ``_only_decodes``), so a request that arrives waits for the loops on the device: the
+one running, and with async scheduling the one dispatched after it (``LLMEngine._plan`` defers
+an admission rather than drop a lookahead; no lookahead is dispatched while a request waits).
+
+With async scheduling (``engine.async_scheduling``), the loop after this one is dispatched
+before this one's tokens reach the host (:func:`next_works`, :func:`dispatch_next`), its
+input tokens this loop's last ones on the device, so that the host records a loop while the
+device runs the next: when nothing waits, the scheduler reserves the slots of both loops, and
+the lookahead is taken when the next plan is exactly its work (no sequence stopped), as for
+single steps. It needs sampling that does not depend on this loop's tokens (no penalties).
 """
 
 from __future__ import annotations
@@ -27,23 +36,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.core.scheduler import ScheduledGroupWork, SequenceGroup
+from engine import async_scheduling
+from engine.core.scheduler import ScheduledGroupWork, SchedulerState, SequenceGroup
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.worker import sampling_rows
 from engine.worker.model_runner import ModelRunner
-from engine.worker.sampler import SamplerOutput
+from engine.worker.sampler import SamplerOutput, SamplingBatch
 from engine.worker.sampling_rows import Row
 
 
 @dataclasses.dataclass(frozen=True)
 class InFlightSteps:
     """A multi-step decode dispatched: its rows (row i is work i), the tokens on the device
-    (int32 [padded rows, k], -1 past a row's steps) and the sampler's outputs stacked per step."""
+    (int32 [padded rows, k], -1 past a row's steps), the sampler's outputs stacked per step,
+    the parameters it sampled with, and the last step's tokens on the device (int32 [padded
+    rows]: the next loop's inputs)."""
 
     rows: tuple[Row, ...]
     tokens: object
     sampled: SamplerOutput
+    batch: SamplingBatch
+    last: object
 
 
 def allowed(running: Sequence[SequenceGroup], requests: dict[str, RequestState]) -> bool:
@@ -68,8 +82,61 @@ def dispatch(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork]
     argmax_only = sampling_rows.argmax_suffices(list(rows))
     inputs = runner.prepare(works, list(range(len(works))), argmax_only=argmax_only)
     batch = sampling_rows.batch_of(list(rows), vocab_size, pad_to=len(inputs.input_ids))
-    tokens, sampled, kv_caches = runner.run_steps(inputs, kv_caches, batch, [w.num_steps for w in works], num_steps)
-    return InFlightSteps(rows, tokens, sampled), kv_caches
+    return _run(runner, kv_caches, works, rows, inputs, batch, num_steps)
+
+
+def _run(runner: ModelRunner, kv_caches, works, rows, inputs, batch: SamplingBatch, num_steps: int):
+    tokens, sampled, kv_caches, last = runner.run_steps(inputs, kv_caches, batch, [w.num_steps for w in works],
+                                                        num_steps)
+    return InFlightSteps(rows, tokens, sampled, batch, last), kv_caches
+
+
+def dispatch_lookahead(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork],
+                       requests: dict[str, RequestState], state: SchedulerState, in_flight: InFlightSteps,
+                       num_steps: int) -> tuple[async_scheduling.Lookahead | None, list]:
+    """The loop after ``in_flight`` (the multi-step decode of ``works``) dispatched as a
+    lookahead, if it can be (:func:`next_works`), and the caches after it."""
+    following = next_works(works, requests, state, num_steps)
+    if following is None:
+        return None, kv_caches
+    loop, kv_caches = dispatch_next(runner, kv_caches, following, in_flight, num_steps)
+    return async_scheduling.Lookahead(following, loop), kv_caches
+
+
+def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,
+               num_steps: int) -> tuple[ScheduledGroupWork, ...] | None:
+    """The loop after the multi-step decode ``works`` (of ``num_steps`` each) as the scheduler
+    will plan it unless a sequence stops (placeholder tokens, the same block tables), or None
+    when it cannot be dispatched now: something waits or is swapped out (the scheduler would
+    admit it), a sequence ends within this loop or runs fewer steps, its sampling depends on
+    this loop's tokens, or the next loop's slots are not all in its table yet. ``state`` is
+    the scheduler's after planning ``works``."""
+    if state.waiting or state.swapped:
+        return None
+    size, max_model_len, following = state.config.block_manager.block_size, state.config.max_model_len, []
+    for work in works:
+        request, seq_id = requests.get(work.request_id), work.seq_ids[0]
+        if request is None or work.num_steps != num_steps or not async_scheduling.sampling_is_static(request, seq_id):
+            return None
+        start = work.start + num_steps
+        steps = min(num_steps, request.max_tokens - len(request.generated(seq_id)) - num_steps,
+                    max_model_len - start)
+        if steps < 1 or start + steps > len(work.block_table) * size:
+            return None
+        following.append(dataclasses.replace(work, token_ids=(0,), start=start, num_steps=steps))
+    return tuple(following)
+
+
+def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightSteps,
+                  num_steps: int) -> tuple[InFlightSteps, list]:
+    """Dispatch the loop ``works`` (:func:`next_works`) after ``in_flight``, its input tokens
+    ``in_flight``'s last ones on the device, its random streams ``num_steps`` on. Returns it and
+    the new caches."""
+    inputs = runner.prepare(works, list(range(len(works))),
+                            argmax_only=sampling_rows.argmax_suffices(list(in_flight.rows)))
+    inputs = inputs.replace(input_ids=in_flight.last)
+    batch = in_flight.batch.replace(step=in_flight.batch.step + np.int32(num_steps))
+    return _run(runner, kv_caches, works, in_flight.rows, inputs, batch, num_steps)
 
 
 def fetch(in_flight: InFlightSteps) -> tuple[np.ndarray, SamplerOutput]:

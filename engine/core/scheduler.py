@@ -38,7 +38,9 @@ Multi-step decode: `schedule(state, num_steps=k)` plans, when the step is decode
 prefill, swap, preemption or beam search), `k` decode steps at once: each decode work reserves
 the slots of its next `num_steps` tokens (fewer near `max_tokens` or `max_model_len`), the
 engine samples them all on the device, and `update` gets one `AppendMany` per sequence with the
-tokens it keeps (up to its stop). When a reservation does not fit, the plan is one step.
+tokens it keeps (up to its stop). When a reservation does not fit, the plan is one step. With
+`reserve_next_block` and nothing waiting, the slots of the loop after it are reserved too when
+they fit, so that the engine can dispatch that loop before this one's tokens are known.
 
 Prefill of a group whose sequences differ (a multi-sequence group preempted by recompute) runs
 in two stages: the leading blocks all sequences share are computed once (one entry listing

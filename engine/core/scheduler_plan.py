@@ -262,23 +262,27 @@ def _only_decodes(step: _PartialPlan) -> bool:
             and not any(work.is_prefill for work in step.work) and not any(group.may_fork for group in step.running))
 
 
-def _reserve_steps(step: _PartialPlan, num_steps: int, config: SchedulerConfig) -> _PartialPlan | None:
+def _reserve_steps(step: _PartialPlan, num_steps: int, config: SchedulerConfig, ahead: bool) -> _PartialPlan | None:
     """The decodes of `step` as multi-step decodes of up to `num_steps` tokens each (within
     the sequence's `max_tokens` and `max_model_len`), with the blocks their slots need; None
-    when the pool cannot give them all."""
-    size, counts, steps, fresh = config.block_manager.block_size, {}, {}, 0
+    when the pool cannot give them all. `ahead` (`SchedulerConfig.reserve_next_block`, nothing
+    waiting): also the slots of the loop after, when the pool has them all, so that the engine
+    can dispatch that loop before this one's tokens are known."""
+    size, steps, now, later = config.block_manager.block_size, {}, {}, {}
     seqs = {seq.seq_id: (group, seq) for group in step.running for seq in group.unfinished_seqs}
     for work in step.work:
         (seq_id,) = work.seq_ids
         group, seq = seqs[seq_id]
-        steps[seq_id] = min(num_steps, group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
-        need = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
-        if need > 0:
-            counts[seq_id] = need
-            fresh += block_manager.num_fresh_blocks(step.blocks, seq_id, need)
-    if fresh > block_manager.num_free_device_blocks(step.blocks):
-        return None
-    return _with_blocks(step, counts, steps)
+        left = min(group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
+        steps[seq_id] = min(num_steps, left)
+        now[seq_id] = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
+        later[seq_id] = blocks_for(work.start + min(2 * num_steps, left), size) - len(work.block_table)
+    for counts in ([later, now] if ahead else [now]):
+        counts = {seq_id: n for seq_id, n in counts.items() if n > 0}
+        fresh = sum(block_manager.num_fresh_blocks(step.blocks, seq_id, n) for seq_id, n in counts.items())
+        if fresh <= block_manager.num_free_device_blocks(step.blocks):
+            return _with_blocks(step, counts, steps)
+    return None
 
 
 def _ignore(step: _PartialPlan, group: SequenceGroup, reason: str) -> _PartialPlan:
@@ -392,10 +396,11 @@ def schedule(
         step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not step.running):
             step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
-    multi_step = _reserve_steps(step, num_steps, config) if num_steps > 1 and _only_decodes(step) else None
+    ahead = config.reserve_next_block and not (swapped or waiting)
+    multi_step = _reserve_steps(step, num_steps, config, ahead) if num_steps > 1 and _only_decodes(step) else None
     if multi_step is not None:
         step = multi_step
-    elif config.reserve_next_block and not (step.preempted or swapped or waiting):
+    elif ahead and not step.preempted:
         step = _reserve_next_blocks(step, config)
     output = SchedulerOutput(
         scheduled=step.work,

@@ -268,7 +268,9 @@ class ModelRunner:
         """A multi-step decode of the works ``inputs`` was prepared from (a decode step): row i
         for ``steps[i]`` steps, sampled with ``batch`` (a ``SamplingBatch`` of the inputs' rows).
         Returns (tokens int32 [rows, max_steps], -1 past each row's steps; the sampler's
-        outputs stacked [max_steps, rows, ...]; the new kv_caches). Nothing is waited for."""
+        outputs stacked [max_steps, rows, ...]; the new kv_caches; the last step's tokens, int32
+        [rows], a loop after this one's inputs if every row ran ``max_steps``). Nothing is
+        waited for."""
         rows = len(inputs.input_ids)
         per_row = np.zeros(rows, np.int32)
         per_row[: len(steps)] = steps

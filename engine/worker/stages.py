@@ -87,8 +87,9 @@ def _decode_steps(config, params, input_ids, positions, metadata, kv_caches, bat
     next. Row i runs ``steps[i]`` steps (int32 [T]; 0 for padding rows), then writes nothing
     more; the loop ends when every row is done. tokens: int32 [T, K] of -1, its width the
     most steps. Returns (the tokens sampled, int32 [T, K] (-1 after a row's last step), the
-    sampler's other outputs stacked [K, T, ...], the new caches). With penalties, each step
-    counts the tokens of the steps before it."""
+    sampler's other outputs stacked [K, T, ...], the new caches, and the last step's tokens,
+    int32 [T]: the inputs of a loop after this one, when every row ran all the steps). With
+    penalties, each step counts the tokens of the steps before it."""
     every_row = metadata.replace(logits_indices=jax.numpy.arange(input_ids.shape[0]))
     forward = models.forward_fn(config)
     shapes = jax.eval_shape(sampler.sample, jax.ShapeDtypeStruct((input_ids.shape[0], config.vocab_size),
@@ -110,8 +111,8 @@ def _decode_steps(config, params, input_ids, positions, metadata, kv_caches, bat
         return out.tokens, jax.numpy.where(going, next_positions, positions), metadata, kv_caches, tokens, stacked
 
     carry = (input_ids, positions, every_row, kv_caches, tokens, stacked)
-    _, _, _, kv_caches, tokens, stacked = jax.lax.fori_loop(0, steps.max(), one_step, carry)
-    return tokens, stacked, kv_caches
+    last, _, _, kv_caches, tokens, stacked = jax.lax.fori_loop(0, steps.max(), one_step, carry)
+    return tokens, stacked, kv_caches, last
 
 
 @functools.partial(jax.jit, static_argnums=0)

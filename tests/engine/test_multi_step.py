@@ -34,12 +34,26 @@ def no_block_leaks(llms):
 
 
 def seen(output) -> list:
-    """What a user reads of a request's output; log-probabilities to float32's last bits (the
-    loop is another XLA program than the single step's, which may round them otherwise)."""
-    return [(c.token_ids, c.finish_reason, c.stop_reason,
-             None if c.cumulative_logprob is None else round(c.cumulative_logprob, 3),
-             [sorted((t, round(lp.logprob, 5), lp.rank) for t, lp in step.items()) for step in c.logprobs or []])
+    """What a user reads of a request's output: tokens, reasons, and the tokens and ranks of
+    every log-probabilities entry (their values: :func:`logprobs`)."""
+    return [(c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob is None,
+             [sorted((t, lp.rank) for t, lp in step.items()) for step in c.logprobs or []])
             for c in output.outputs]
+
+
+def logprobs(output) -> list[float]:
+    """Every log-probability a request reports, cumulative ones included, in order."""
+    return [value for c in output.outputs
+            for value in [c.cumulative_logprob or 0.0]
+            + [lp.logprob for step in c.logprobs or [] for _, lp in sorted(step.items())]]
+
+
+def assert_same_outputs(outputs, expected) -> None:
+    """Equal as a user reads them; log-probabilities to float32's last bits (the loop is
+    another XLA program than the single step's, which may round them otherwise)."""
+    assert [seen(o) for o in outputs] == [seen(o) for o in expected]
+    for ours, theirs in zip(outputs, expected):
+        assert logprobs(ours) == pytest.approx(logprobs(theirs), rel=1e-5, abs=1e-5)
 
 
 def every_kind(vocab: int) -> list[SamplingParams]:
@@ -61,15 +75,20 @@ def every_kind(vocab: int) -> list[SamplingParams]:
     ]
 
 
-def test_outputs_equal_those_of_single_steps(llms):
-    single, multi, _, vocab = llms
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_outputs_equal_those_of_single_steps(llms, async_scheduling):
+    """With async scheduling (a loop dispatched while the one before runs) and without."""
+    single, multi, directory, vocab = llms
+    if not async_scheduling:
+        multi = LLM(str(directory), **{**ENGINE, "num_scheduler_steps": STEPS, "async_scheduling": False})
     params = every_kind(vocab)
     batch = prompts(len(params), vocab, seed=4)
     loops = multi.engine.counters.multi_steps
     expected = single.generate(batch, params, use_tqdm=False)
     outputs = multi.generate(batch, params, use_tqdm=False)
-    assert [seen(o) for o in outputs] == [seen(o) for o in expected]
+    assert_same_outputs(outputs, expected)
     assert multi.engine.counters.multi_steps > loops
+    assert_no_block_held(multi)
     # some sequence stopped inside a loop, short of its max_tokens
     assert any(c.finish_reason == "stop" and 0 < len(c.token_ids) % STEPS for o in outputs for c in o.outputs)
 
@@ -78,12 +97,15 @@ def test_a_lone_greedy_sequence_runs_in_loops_of_the_steps_asked(llms):
     single, multi, _, vocab = llms
     greedy = SamplingParams(temperature=0, max_tokens=61, ignore_eos=True)
     prompt = prompts(1, vocab, seed=8)
-    steps, loops = multi.engine.counters.steps, multi.engine.counters.multi_steps
+    counters = multi.engine.counters
+    steps, loops, taken = counters.steps, counters.multi_steps, counters.lookahead_steps
     (ours,) = multi.generate(prompt, greedy, use_tqdm=False)
-    assert seen(ours) == seen(single.generate(prompt, greedy, use_tqdm=False)[0])
+    assert_same_outputs([ours], single.generate(prompt, greedy, use_tqdm=False))
     # the prefill samples the first token, then 60 more in loops of 8, the last of 4
-    assert multi.engine.counters.steps - steps == 1 + 8
-    assert multi.engine.counters.multi_steps - loops == 8
+    assert counters.steps - steps == 1 + 8
+    assert counters.multi_steps - loops == 8
+    # every loop but the first was dispatched while the one before it ran (async scheduling)
+    assert counters.lookahead_steps - taken == 7
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -96,7 +118,7 @@ def test_preempted_sequences_resume_with_the_same_output(llms, mode):
     small = LLM(str(directory), **{**ENGINE, "num_blocks": 24, "preemption_mode": mode,
                                    "num_scheduler_steps": STEPS})
     outputs = small.generate(batch, params, use_tqdm=False)
-    assert [seen(o) for o in outputs] == [seen(o) for o in single.generate(batch, params, use_tqdm=False)]
+    assert_same_outputs(outputs, single.generate(batch, params, use_tqdm=False))
     assert small.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
     assert small.engine.counters.multi_steps > 0
     assert_no_block_held(small)
@@ -132,8 +154,7 @@ def test_requests_arriving_or_aborted_during_loops(llms):
     assert ours["r1"].outputs[0].finish_reason is None and 1 < len(ours["r1"].outputs[0].token_ids) < 31
     assert "r1" not in multi.engine.requests
     expected = _run(single, {0: [r for r in requests if r[0] != "r1"]})
-    for request_id, output in expected.items():
-        assert seen(ours[request_id]) == seen(output)
+    assert_same_outputs([ours[request_id] for request_id in expected], list(expected.values()))
 
 
 def test_the_setting_is_checked():
