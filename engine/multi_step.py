@@ -123,7 +123,8 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
                     max_model_len - start)
         if steps < 1 or start + steps > len(work.block_table) * size:
             return None
-        following.append(dataclasses.replace(work, token_ids=(0,), start=start, num_steps=steps))
+        following.append(ScheduledGroupWork(work.request_id, work.seq_ids, (0,), start, work.block_table,
+                                            work.is_prefill, work.do_sample, steps))
     return tuple(following)
 
 

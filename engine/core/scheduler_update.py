@@ -153,11 +153,8 @@ def _regroup(
             if _reached_length(seqs[seq_id], group.max_tokens, max_model_len):
                 blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
         num_before = len(group.unfinished_seqs)
-        group = dataclasses.replace(
-            group,
-            seqs=tuple(seqs[seq_id] for seq_id in ids),
-            in_prefill=group.in_prefill and not sampled.keys() & set(ids),
-        )
+        group = group.with_seqs(tuple(seqs[seq_id] for seq_id in ids),
+                                in_prefill=group.in_prefill and not sampled.keys() & set(ids))
         if len(group.unfinished_seqs) > num_before:
             raise SchedulerUsageError(
                 f"request {group.request_id!r} would grow from {num_before} to "
