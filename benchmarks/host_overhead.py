@@ -302,7 +302,8 @@ def plot(results: list[Result], name: str) -> pathlib.Path:
         counts = [r.count for r in mine]
         left.plot(counts, [r.median_ms for r in mine], "o-", label=f"{mode}, k={k}")
         right.plot(counts, [r.ms_per_generated_step for r in mine], "o-", label=f"{mode}, k={k}")
-    model = sorted({(r.count, r.model_ms) for r in results})
+    counts = sorted({r.count for r in results})  # the model alone, measured once per engine: their mean
+    model = [(c, float(np.mean([r.model_ms for r in results if r.count == c]))) for c in counts]
     for ax in (left, right):
         ax.plot([c for c, _ in model], [ms for _, ms in model], "k:", label="model alone, one step")
         ax.set_xscale("log", base=2)
