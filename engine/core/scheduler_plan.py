@@ -3,7 +3,7 @@
 import collections
 import dataclasses
 
-from engine.core import block_manager, block_swap
+from engine.core import block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.scheduler_state import (
@@ -220,70 +220,11 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
     return step
 
 
-def _reserve_next_blocks(step: _PartialPlan, config: SchedulerConfig) -> _PartialPlan:
-    """Give each decode whose next token opens a block that block now
-    (`SchedulerConfig.reserve_next_block`), in order while the pool has blocks; the decode's
-    work then names it. Not for groups that may fork (beam search: a fork would share the
-    block only to copy it), and only for a sequence that samples again after this step (within
-    max_tokens and max_model_len)."""
-    size, wanted = config.block_manager.block_size, {}
-    budget = block_manager.num_free_device_blocks(step.blocks)
-    seqs = {seq.seq_id: (group, seq) for group in step.running if not group.may_fork for seq in group.seqs}
-    for work in step.work:
-        group, seq = seqs.get(work.seq_ids[0], (None, None))
-        following = work.context_len  # the position of the next token
-        if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
-                and following < config.max_model_len and following >= len(work.block_table) * size):
-            fresh = block_manager.num_fresh_blocks(step.blocks, work.seq_ids[0], 1)
-            if fresh <= budget:
-                wanted[work.seq_ids[0]], budget = 1, budget - fresh
-    return _with_blocks(step, wanted)
-
-
-def _with_blocks(step: _PartialPlan, counts: dict[int, int], num_steps: dict[int, int] | None = None) -> _PartialPlan:
-    """`step` with `counts[seq_id]` blocks appended to the listed decodes' tables (their works
-    naming them), and the works of `num_steps` as multi-step decodes of that many steps."""
-    if not counts and not num_steps:
-        return step
-    blocks, works = block_manager.append_blocks(step.blocks, counts) if counts else step.blocks, []
-    for work in step.work:
-        seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
-        if seq_id in counts or steps > 1:
-            table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
-            work = ScheduledGroupWork(work.request_id, work.seq_ids, work.token_ids, work.start, table,
-                                      work.is_prefill, work.do_sample, steps)  # dataclasses.replace's, faster
-        works.append(work)
-    return dataclasses.replace(step, blocks=blocks, work=tuple(works))
-
-
 def _only_decodes(step: _PartialPlan) -> bool:
     """Whether the step decodes and does nothing else: no prefill, swap, preemption or refusal,
     and no group that may fork (beam search chooses its beams on the host at every step)."""
     return (bool(step.work) and not (step.preempted or step.swap_in or step.swap_out or step.ignored)
             and not any(work.is_prefill for work in step.work) and not any(group.may_fork for group in step.running))
-
-
-def _reserve_steps(step: _PartialPlan, num_steps: int, config: SchedulerConfig, ahead: bool) -> _PartialPlan | None:
-    """The decodes of `step` as multi-step decodes of up to `num_steps` tokens each (within
-    the sequence's `max_tokens` and `max_model_len`), with the blocks their slots need; None
-    when the pool cannot give them all. `ahead` (`SchedulerConfig.reserve_next_block`, nothing
-    waiting): also the slots of the loop after, when the pool has them all, so that the engine
-    can dispatch that loop before this one's tokens are known."""
-    size, steps, now, later = config.block_manager.block_size, {}, {}, {}
-    seqs = {seq.seq_id: (group, seq) for group in step.running for seq in group.unfinished_seqs}
-    for work in step.work:
-        (seq_id,) = work.seq_ids
-        group, seq = seqs[seq_id]
-        left = min(group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
-        steps[seq_id] = min(num_steps, left)
-        now[seq_id] = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
-        later[seq_id] = blocks_for(work.start + min(2 * num_steps, left), size) - len(work.block_table)
-    for counts in ([later, now] if ahead else [now]):
-        counts = {seq_id: n for seq_id, n in counts.items() if n > 0}
-        fresh = sum(block_manager.num_fresh_blocks(step.blocks, seq_id, n) for seq_id, n in counts.items())
-        if fresh <= block_manager.num_free_device_blocks(step.blocks):
-            return _with_blocks(step, counts, steps)
-    return None
 
 
 def _ignore(step: _PartialPlan, group: SequenceGroup, reason: str) -> _PartialPlan:
@@ -398,11 +339,13 @@ def schedule(
         if not swapped and (config.policy == "fcfs" or not step.running):
             step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
     ahead = config.reserve_next_block and not (swapped or waiting)
-    multi_step = _reserve_steps(step, num_steps, config, ahead) if num_steps > 1 and _only_decodes(step) else None
-    if multi_step is not None:
-        step = multi_step
-    elif ahead and not step.preempted:
-        step = _reserve_next_blocks(step, config)
+    reserved = None
+    if num_steps > 1 and _only_decodes(step):
+        reserved = scheduler_ahead.reserve_steps(step.blocks, step.work, step.running, num_steps, config, ahead)
+    if reserved is None and ahead and not step.preempted:
+        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, step.work, step.running, config)
+    if reserved is not None:
+        step = dataclasses.replace(step, blocks=reserved[0], work=reserved[1])
     output = SchedulerOutput(
         scheduled=step.work,
         blocks_to_swap_in=step.swap_in,

@@ -1,0 +1,83 @@
+"""Blocks reserved before tokens need them: the next token's block (async scheduling's
+lookaheads) and the slots of a multi-step decode's loops. Part of `schedule()`
+(`engine.core.scheduler_plan`); each function takes the step's block state, works and running
+groups, and returns them with the blocks appended and the works naming them."""
+
+from collections.abc import Sequence
+
+from engine.core import block_manager
+from engine.core.block_manager import BlockManagerState
+from engine.core.block_pool import blocks_for
+from engine.core.scheduler_state import ScheduledGroupWork, SchedulerConfig
+from engine.core.sequence import SequenceGroup
+
+Works = tuple[ScheduledGroupWork, ...]
+
+
+def reserve_next_blocks(
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], running: Sequence[SequenceGroup],
+    config: SchedulerConfig,
+) -> tuple[BlockManagerState, Works]:
+    """Give each decode whose next token opens a block that block now
+    (`SchedulerConfig.reserve_next_block`), in order while the pool has blocks; the decode's
+    work then names it. Not for groups that may fork (beam search: a fork would share the
+    block only to copy it), and only for a sequence that samples again after this step (within
+    max_tokens and max_model_len)."""
+    size, wanted = config.block_manager.block_size, {}
+    budget = block_manager.num_free_device_blocks(blocks)
+    seqs = {seq.seq_id: (group, seq) for group in running if not group.may_fork for seq in group.seqs}
+    for work in works:
+        group, seq = seqs.get(work.seq_ids[0], (None, None))
+        following = work.context_len  # the position of the next token
+        if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
+                and following < config.max_model_len and following >= len(work.block_table) * size):
+            fresh = block_manager.num_fresh_blocks(blocks, work.seq_ids[0], 1)
+            if fresh <= budget:
+                wanted[work.seq_ids[0]], budget = 1, budget - fresh
+    return _with_blocks(blocks, works, wanted)
+
+
+def reserve_steps(
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], running: Sequence[SequenceGroup],
+    num_steps: int, config: SchedulerConfig, ahead: bool,
+) -> tuple[BlockManagerState, Works] | None:
+    """The decodes `works` (one sequence each) as multi-step decodes of up to `num_steps`
+    tokens each (within the sequence's `max_tokens` and `max_model_len`), with the blocks their
+    slots need; None when the pool cannot give them all. `ahead`
+    (`SchedulerConfig.reserve_next_block`, nothing waiting): also the slots of the loop after,
+    when the pool has them all, so that the engine can dispatch that loop before this one's
+    tokens are known."""
+    size, steps, now, later = config.block_manager.block_size, {}, {}, {}
+    seqs = {seq.seq_id: (group, seq) for group in running for seq in group.unfinished_seqs}
+    for work in works:
+        (seq_id,) = work.seq_ids
+        group, seq = seqs[seq_id]
+        left = min(group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
+        steps[seq_id] = min(num_steps, left)
+        now[seq_id] = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
+        later[seq_id] = blocks_for(work.start + min(2 * num_steps, left), size) - len(work.block_table)
+    for counts in ([later, now] if ahead else [now]):
+        counts = {seq_id: n for seq_id, n in counts.items() if n > 0}
+        fresh = sum(block_manager.num_fresh_blocks(blocks, seq_id, n) for seq_id, n in counts.items())
+        if fresh <= block_manager.num_free_device_blocks(blocks):
+            return _with_blocks(blocks, works, counts, steps)
+    return None
+
+
+def _with_blocks(
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], counts: dict[int, int],
+    num_steps: dict[int, int] | None = None,
+) -> tuple[BlockManagerState, Works]:
+    """`counts[seq_id]` blocks appended to the listed decodes' tables (their works naming
+    them), and the works of `num_steps` as multi-step decodes of that many steps."""
+    if counts:
+        blocks = block_manager.append_blocks(blocks, counts)
+    changed = []
+    for work in works:
+        seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
+        if seq_id in counts or steps > 1:
+            table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
+            work = ScheduledGroupWork(work.request_id, work.seq_ids, work.token_ids, work.start, table,
+                                      work.is_prefill, work.do_sample, steps)  # dataclasses.replace's, faster
+        changed.append(work)
+    return blocks, tuple(changed)
