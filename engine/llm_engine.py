@@ -75,7 +75,7 @@ class LLMEngine:
         # Sampler programs left for idle time (:meth:`warm_up_when_idle`), smallest batch first.
         self._idle_warm_ups: list[int] = []
         if config.warmup:
-            self.runner.warm_up(self.cache.kv_caches)
+            self.runner.warm_up(self.cache.kv_caches, config.num_scheduler_steps if mesh is None else 1)
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
                 sampling_rows.warm_up(self.model_config.vocab_size, self._sampler_sizes)
                 self._idle_warm_ups = sorted(self._sampler_sizes)

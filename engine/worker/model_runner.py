@@ -27,7 +27,7 @@ import numpy as np
 import models
 import pallas_paged
 from engine.core.scheduler import ScheduledGroupWork
-from engine.worker import stages, tensor_parallel
+from engine.worker import sampling_rows, stages, tensor_parallel
 from models import Metadata
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,17 @@ def _min_rows(params) -> int:
 # instead of a program per stage: a single sequence decodes 10-13% faster (float32 and
 # bfloat16), 4-8 rows 5-9%, and with the native products 32 rows 7% (bfloat16) to 14%
 # (float32): a step of 32 sequences took 28.1 against 30.0 ms and 37.3 against 43.5 ms.
-# Each such program takes about 2 s to compile, so only the small buckets get one; a cold
-# start of the default server took 24.2 s with them, against its 30 s target.
+# Each such program takes about 2 s to compile, so on a CPU only the small buckets get one; a
+# cold start of the default server took 24.2 s with them, against its 30 s target. On a GPU or
+# TPU every decode step is one program: a program per stage costs a dispatch per layer (about
+# 18 for a step of SmolLM2 on an H100, where the device needs a few milliseconds), and there
+# compiling runs on many cores.
 ONE_PROGRAM_ROWS = 32
+
+
+def one_program_rows(platform: str) -> int | None:
+    """The most rows a decode step runs as one program on ``platform`` (None: every step)."""
+    return ONE_PROGRAM_ROWS if platform == "cpu" else None
 
 # The runner picks logits rows in a program of their own (``StepInputs.logits_rows``), so the
 # layers' metadata carries none and one layer program serves every number of rows.
@@ -153,8 +161,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = powers_of_two(_min_rows(params), max_num_seqs)
         # Not under a mesh, whose stages keep activations replicated between stages.
+        largest = one_program_rows(jax.default_backend())
         self.one_program_buckets = () if mesh is not None else tuple(
-            size for size in self.decode_buckets if size <= ONE_PROGRAM_ROWS)
+            size for size in self.decode_buckets if largest is None or size <= largest)
         self._whole_model: dict[int, object] = {}  # decode rows -> that bucket's program
         # No step holds more tokens than its sequences can: with max_num_seqs 1 and a 1024-token
         # model, a 2048-token bucket could never run (and its warm-up had no rows to hold it).
@@ -278,11 +287,16 @@ class ModelRunner:
         return stages.call("decode_steps", self.params, inputs.input_ids, inputs.positions, inputs.metadata,
                            kv_caches, batch, per_row, tokens, config=self.config, mesh=self.mesh)
 
-    def warm_up(self, kv_caches) -> None:
-        """Compile every bucket now, so no step ever waits for the compiler."""
+    def warm_up(self, kv_caches, num_steps: int = 1) -> None:
+        """Compile every bucket now, so no step ever waits for the compiler; with ``num_steps``
+        > 1, also each decode bucket's loop of that many steps (:meth:`run_steps`) for greedy
+        sampling without logit biases, penalties or log-probabilities (other sampling compiles
+        its loops on first use)."""
         start = time.monotonic()
         shapes = self._step_shapes()
         calls = [call for shape in shapes for call in self._calls(shape, kv_caches)]
+        if num_steps > 1:
+            calls += [self._loop_call(rows, kv_caches, num_steps) for rows in self.decode_buckets]
         compiled = stages.compile_all(calls)
         log.info("compiled %d programs for %d step shapes in %.1f s", compiled, len(shapes),
                  time.monotonic() - start)
@@ -329,6 +343,17 @@ class ModelRunner:
         if inputs.pick:
             calls.append(("pick", self.config, self.mesh, (x, inputs.logits_rows)))
         return calls
+
+    def _loop_call(self, rows: int, kv_caches, num_steps: int) -> tuple:
+        """The ``(stage, config, mesh, args)`` of a greedy loop of ``num_steps`` over ``rows`` rows."""
+        inputs = _abstract(self.prepare(self._dummy_works(1, rows), list(range(rows)), argmax_only=True))
+        batch = _abstract(jax.device_put(sampling_rows.batch_for([], 0, self.config.vocab_size, size=rows),
+                                         self._inputs))
+        per_row, tokens = (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=inputs.input_ids.sharding)
+                           for shape in ((rows,), (rows, num_steps)))
+        return ("decode_steps", self.config, self.mesh, (self._abstract_params[2], inputs.input_ids,
+                                                         inputs.positions, inputs.metadata, _abstract(kv_caches),
+                                                         batch, per_row, tokens))
 
     def _step_shapes(self) -> list[tuple[int, int, int]]:
         """Every step shape as (kind, tokens, logits rows): kind 1 is decode-only, 2 has prompts."""

@@ -160,3 +160,21 @@ def test_requests_arriving_or_aborted_during_loops(llms):
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1"):
         LLM(num_scheduler_steps=0)
+
+
+def test_the_warm_up_compiles_the_greedy_loops(llms):
+    """With warm-up on, a greedy batch's loops run programs compiled at start-up."""
+    from engine.worker import stages
+
+    _, _, directory, vocab = llms
+    warm = LLM(str(directory), **{**ENGINE, "num_scheduler_steps": STEPS, "warmup": True})
+
+    def loops() -> set:
+        return {key for key in stages._compiled if key[0] == "decode_steps"}
+
+    compiled = loops()
+    batch = prompts(5, vocab, seed=12)
+    warm.generate(batch, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert warm.engine.counters.multi_steps > 0
+    assert loops() == compiled
+    assert_no_block_held(warm)

@@ -108,3 +108,20 @@ def test_small_decode_steps_run_as_one_program_with_the_same_tokens(tmp_path, mo
     assert list(runner._whole_model) == [4]  # of 4 rows, for 3 sequences
     runner.one_program_buckets = ()
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == whole
+
+
+def test_every_decode_step_is_one_program_on_accelerators(tmp_path, monkeypatch):
+    """On a CPU, compiling a whole-model program per bucket would cost the start-up seconds;
+    on a GPU or TPU a program per stage would cost a dispatch per layer at every step."""
+    import jax
+
+    from engine.worker.model_runner import ModelRunner
+
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path)
+    runner = llm.engine.runner
+    settings = dict(block_size=8, max_model_len=128, max_num_seqs=256, max_num_batched_tokens=512)
+    on_cpu = ModelRunner(runner.config, runner.params, **settings)
+    assert max(on_cpu.one_program_buckets) == 32 < max(on_cpu.decode_buckets)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = ModelRunner(runner.config, runner.params, **settings)
+    assert on_gpu.one_program_buckets == on_gpu.decode_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256)
