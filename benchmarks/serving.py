@@ -1,7 +1,7 @@
 """Online serving: the real OpenAI-compatible server under Poisson arrivals (the paper's Fig. 12).
 
     python -m benchmarks.serving [--quick] [--sharegpt-rates 0.25 0.5 1] [--alpaca-rates 1 2 4 8]
-        [--num-scheduler-steps K]   # results in serving[_quick]_steps{K}.* when K > 1
+        [--num-scheduler-steps K]   # results in serving_steps{K}[_quick].* when K > 1
 
 Starts ``python -m engine.serve`` on a free loopback port (with the KV memory and budgets of
 the offline benchmarks), then, per trace and request rate, sends the trace's requests at
@@ -139,8 +139,8 @@ def main():
                 trace = workloads.trace(name, count, vocab_size=VOCAB_SIZE, rate=rate, max_len=scale.max_model_len)
                 rows.append(summarise(trace, rate, *asyncio.run(replay(url, trace))))
                 print(f"{name} at {rate} req/s: normalised latency {rows[-1][-1]:.3f} s/token", flush=True)
-    name = result_name("serving", args.quick) + (f"_steps{args.num_scheduler_steps}"
-                                                  if args.num_scheduler_steps > 1 else "")
+    k = args.num_scheduler_steps
+    name = result_name("serving" if k == 1 else f"serving_steps{k}", args.quick)
     save_text(f"{note}\n\n{print_table(HEADERS, rows)}", name)
     print(f"wrote {plot(rows, name)}")
 
