@@ -74,8 +74,7 @@ def _key(work: ScheduledGroupWork) -> tuple:
 def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
     """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
     placeholder token (0) where the token sampled from ``works`` goes."""
-    return tuple(ScheduledGroupWork(work.request_id, work.seq_ids, (0,), work.start + 1, work.block_table,
-                                    work.is_prefill, work.do_sample) for work in works)
+    return tuple(work.changed(token_ids=(0,), start=work.start + 1) for work in works)
 
 
 def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,

@@ -123,8 +123,7 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
                     max_model_len - start)
         if steps < 1 or start + steps > len(work.block_table) * size:
             return None
-        following.append(ScheduledGroupWork(work.request_id, work.seq_ids, (0,), start, work.block_table,
-                                            work.is_prefill, work.do_sample, steps))
+        following.append(work.changed(token_ids=(0,), start=start, num_steps=steps))
     return tuple(following)
 
 

@@ -73,14 +73,12 @@ class OutputProcessor:
         for i, (row, row_tokens) in enumerate(zip(rows, tokens.tolist())):
             request = row.request
             touched[request.request_id] = request
-            tokenizer, entries = self._detokenizer(request), request.num_logprobs is not None
-            kept, stop = [], False
+            tokenizer, kept, stop = self._detokenizer(request), [], False
             for j, token in enumerate(row_tokens):
                 if token < 0 or stop:
                     break
                 kept.append(token)
-                entry = self._logprobs_entry(request, sampled, (j, i), token, logprobs[j][i], tokenizer) \
-                    if entries else None
+                entry = self._logprobs_entry(request, sampled, (j, i), token, logprobs[j][i], tokenizer)
                 stop = request.record(row.seq_id, token, logprobs[j][i], entry, tokenizer)
             self.counters.generation_tokens += len(kept)
             actions.append(AppendMany(row.seq_id, tuple(kept)))

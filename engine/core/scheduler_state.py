@@ -96,6 +96,15 @@ class ScheduledGroupWork:
         """Tokens in the cache once this work's first step is done: what its last token attends to."""
         return self.start + len(self.token_ids)
 
+    def changed(self, *, token_ids: tuple[int, ...] | None = None, start: int | None = None,
+                block_table: tuple[int, ...] | None = None, num_steps: int | None = None) -> "ScheduledGroupWork":
+        """This work with the given fields changed: what `dataclasses.replace` makes, at a third
+        of its cost (the scheduler and the engine's lookaheads remake one per sequence per step)."""
+        return ScheduledGroupWork(
+            self.request_id, self.seq_ids, self.token_ids if token_ids is None else token_ids,
+            self.start if start is None else start, self.block_table if block_table is None else block_table,
+            self.is_prefill, self.do_sample, self.num_steps if num_steps is None else num_steps)
+
     @property
     def write_end(self) -> int:
         """One past the last position whose KV this work writes (over all its steps)."""

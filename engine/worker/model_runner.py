@@ -198,15 +198,16 @@ class ModelRunner:
             positions[:n] = [work.start for work in works]
             context_lens[:n] = positions[:n] + 1
             query_start_loc[1:] = np.minimum(np.arange(1, num_rows + 1), n)
-        cursor = 0
-        for row, work in enumerate(works if not decode_only else ()):
-            n = len(work.token_ids)
-            span = slice(cursor, cursor + n)
-            input_ids[span] = work.token_ids
-            positions[span] = np.arange(work.start, work.start + n)
-            context_lens[row] = work.context_len
-            cursor += n
-            query_start_loc[row + 1 :] = cursor
+        else:
+            cursor = 0
+            for row, work in enumerate(works):
+                n = len(work.token_ids)
+                span = slice(cursor, cursor + n)
+                input_ids[span] = work.token_ids
+                positions[span] = np.arange(work.start, work.start + n)
+                context_lens[row] = work.context_len
+                cursor += n
+                query_start_loc[row + 1 :] = cursor
         real = slice(0, int(query_start_loc[-1]))
         rows = np.repeat(np.arange(len(works)), np.diff(query_start_loc[: len(works) + 1]))
         size = self.block_size
