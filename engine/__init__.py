@@ -6,7 +6,14 @@
 
 from engine.entrypoints.llm import LLM, CacheStats
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from engine.sampling_params import (
+                                    BeamSearchParams,
+                                    GuidedDecodingParams,
+                                    RequestOutputKind,
+                                    SamplingParams,
+                                    StructuredOutputsParams,
+)
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheStats", "CompletionOutput",
-           "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+           "GuidedDecodingParams", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "StructuredOutputsParams"]

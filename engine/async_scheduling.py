@@ -95,10 +95,10 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
 
 def sampling_is_static(request: RequestState, seq_id: int) -> bool:
     """Whether the sampler's inputs for ``seq_id``'s next token do not depend on this step's
-    token: no penalties (they count it), no bad words (they look at it), ``min_tokens``
+    token: no penalties (they count it), no bad words or constraint (they follow it), ``min_tokens``
     reached (the step after this one must not ban EOS); not beam search."""
     params = request.params
-    if not isinstance(params, SamplingParams) or request.bad_word_ids:
+    if not isinstance(params, SamplingParams) or request.steered_by_each_token:
         return False
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         return False

@@ -4,6 +4,7 @@ limits, so callers on other threads (the server) can check before queueing."""
 
 from __future__ import annotations
 
+from engine import structured_output
 from engine.core.scheduler import InvalidRequestError
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -23,9 +24,11 @@ def check_prompt(token_ids: list[int], request_id: str = "", *, max_model_len: i
 
 
 def check_params(params: SamplingParams | BeamSearchParams, request_id: str = "", *, max_num_seqs: int,
-                 vocab_size: int, tokenizer) -> None:
+                 vocab_size: int, tokenizer, grammars: structured_output.Grammars | None = None) -> None:
     """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
-    than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
+    than ``max_num_seqs``, ``bad_words`` or a constraint without a tokenizer (``grammars``,
+    the engine's compiler of constraints), a constraint that does not compile, tokens the
+    model does not have."""
     width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
     if width > max_num_seqs:
         field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
@@ -34,6 +37,15 @@ def check_params(params: SamplingParams | BeamSearchParams, request_id: str = ""
                                   f"than max_num_seqs={max_num_seqs}; lower it or raise max_num_seqs")
     if getattr(params, "bad_words", ()) and tokenizer is None:
         raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
+    guided = getattr(params, "guided_decoding", None)
+    if guided is not None:
+        if grammars is None:
+            raise InvalidRequestError(f"request {request_id!r}: structured outputs need a tokenizer, and this "
+                                      "model has none")
+        try:
+            grammars.matcher(guided)  # compiled once, and cached for the request
+        except ValueError as error:
+            raise InvalidRequestError(f"request {request_id!r}: {error}") from None
     for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
                        ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
         bad = [t for t in ids if t >= vocab_size]

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from engine import async_scheduling, beam_search, input_checks, multi_step
+from engine import async_scheduling, beam_search, input_checks, multi_step, structured_output
 from engine.config import EngineConfig
 from engine.core import scheduler
 from engine.core.scheduler import InvalidRequestError
@@ -27,7 +27,6 @@ from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.worker import huge_pages, kv_cache_size, model_loader, sampling_rows, tensor_parallel
 from engine.worker.cache_engine import CacheEngine, kv_cache_spec
 from engine.worker.model_runner import ModelRunner
-from engine.worker.sampling_rows import Row
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +93,8 @@ class LLMEngine:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + (() if tokenizer_eos is None else (tokenizer_eos,))))
+        self.grammars = None if self.tokenizer is None else structured_output.Grammars(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens in %d blocks, sized by %s",
                  self.startup_seconds, self.warmup_seconds, spec.num_slots, spec.num_blocks, self.kv_cache_size.reason)
 
@@ -155,7 +156,9 @@ class LLMEngine:
                                seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
                                bad_word_ids=bad_word_ids)
         logprob = 0.0 if request.tracks_logprob else None
-        request.seqs = {seq.seq_id: SeqProgress(index=i, cumulative_logprob=logprob)
+        guided = getattr(params, "guided_decoding", None)  # each sequence follows its own copy
+        request.seqs = {seq.seq_id: SeqProgress(i, cumulative_logprob=logprob,
+                                                matcher=None if guided is None else self.grammars.matcher(guided))
                         for i, seq in enumerate(group.seqs)}
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -171,9 +174,11 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams | BeamSearchParams, request_id: str = "") -> None:
         """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
-        than ``max_num_seqs``, ``bad_words`` without a tokenizer, tokens the model does not have."""
+        than ``max_num_seqs``, ``bad_words`` or a constraint without a tokenizer or invalid,
+        tokens the model does not have."""
         input_checks.check_params(params, request_id, max_num_seqs=self.config.max_num_seqs,
-                                  vocab_size=self.model_config.vocab_size, tokenizer=self.tokenizer)
+                                  vocab_size=self.model_config.vocab_size, tokenizer=self.tokenizer,
+                                  grammars=self.grammars)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""
@@ -304,7 +309,7 @@ class LLMEngine:
             in_flight, self.cache.kv_caches = multi_step.dispatch(
                 self.runner, self.cache.kv_caches, works, self.requests, self._num_steps, self.model_config.vocab_size)
             return in_flight
-        logits_tokens, rows, prompt_rows = self._logits_plan(works)
+        logits_tokens, rows, prompt_rows = sampling_rows.logits_plan(works, self.requests)
         argmax_only = not prompt_rows and sampling_rows.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
@@ -371,23 +376,6 @@ class LLMEngine:
             return self._output_processor.record_steps(rows, *multi_step.fetch(in_flight), touched)
         sampled = sampling_rows.fetch(in_flight.sampled, len(rows))
         return self._output_processor.record(rows, sampled, self.requests, self.state.next_seq_id, touched)
-
-    def _logits_plan(self, works):
-        """Which token rows need logits: the last of every sampling work (one sampler row per
-        sequence), and every token of prefills whose request wants prompt log-probabilities."""
-        logits_tokens, rows, prompt_rows, cursor = [], [], [], 0
-        for work in works:
-            request = self.requests.get(work.request_id)
-            n = len(work.token_ids)
-            if request is not None and work.is_prefill and request.prompt_logprobs is not None:
-                prompt_rows.append((request, work, len(logits_tokens)))
-                logits_tokens += range(cursor, cursor + n)
-            elif request is not None and work.do_sample:
-                logits_tokens.append(cursor + n - 1)
-            if request is not None and work.do_sample:
-                rows += [Row(len(logits_tokens) - 1, request, seq_id) for seq_id in work.seq_ids]
-            cursor += n
-        return logits_tokens, rows, prompt_rows
 
     def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Outputs of the changed requests; finished ones leave the engine."""

@@ -15,8 +15,8 @@ Outputs are those of k = 1: each step samples with the parameters and the random
 sequence would have had (``SamplingBatch.step`` counts on; penalties count the loop's earlier
 tokens), and tokens past a stop are never recorded, their KV written only in blocks the
 sequence held alone and frees. What depends on the host between two tokens falls back to
-single steps (:func:`allowed`): beam search, bad words, and ``min_tokens`` not reached (EOS is
-banned until then). Prompts, swaps and preemptions are never in a multi-step plan (the
+single steps (:func:`allowed`): beam search, bad words, structured outputs, and ``min_tokens``
+not reached (EOS is banned until then). Prompts, swaps and preemptions are never in a multi-step plan (the
 scheduler's ``_only_decodes``), so a request that arrives waits for the loops on the device: the
 one running, and with async scheduling the one dispatched after it (``LLMEngine._plan`` defers
 an admission rather than drop a lookahead; no lookahead is dispatched while a request waits).
@@ -62,10 +62,11 @@ class InFlightSteps:
 
 def allowed(running: Sequence[SequenceGroup], requests: dict[str, RequestState]) -> bool:
     """Whether every running request can sample several tokens without the host in between:
-    plain sampling (not beam search), no bad words, ``min_tokens`` reached by every sequence."""
+    plain sampling (not beam search), no bad words or structured output, ``min_tokens`` reached by
+    every sequence."""
     for group in running:
         request = requests.get(group.request_id)
-        if request is None or not isinstance(request.params, SamplingParams) or request.bad_word_ids:
+        if request is None or not isinstance(request.params, SamplingParams) or request.steered_by_each_token:
             return False
         if request.params.min_tokens and any(len(seq.token_ids) < request.params.min_tokens
                                              for seq in request.seqs.values()):

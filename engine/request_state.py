@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from engine import beam_search
+from engine import beam_search, structured_output
 from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, find_stop
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, token_logprobs
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -27,6 +27,7 @@ class SeqProgress:
     decoded: DecodeState = DecodeState()
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: object | None = None  # the constraint's state (structured_output), if the request has one
 
     def completion(self, held_back: int = 0) -> CompletionOutput:
         """A snapshot; while running, the last ``held_back`` characters (which might still turn
@@ -85,6 +86,13 @@ class RequestState:
                 or self.params.num_candidates > self.params.n)
 
     @property
+    def steered_by_each_token(self) -> bool:
+        """Whether which tokens may come next depends on the tokens just generated (bad words,
+        a structured-output constraint), so the host must see every token before the next step
+        samples: no lookahead, no multi-step decode."""
+        return bool(self.bad_word_ids) or (not self.is_beam_search and self.params.guided_decoding is not None)
+
+    @property
     def finished(self) -> bool:
         if self.error is not None or self.aborted:
             return True
@@ -99,6 +107,10 @@ class RequestState:
     def sample_index(self, seq_id: int) -> int:
         """Which of the request's samples ``seq_id`` is: its random stream."""
         return 0 if self.is_beam_search else self.seqs[seq_id].index
+
+    def matcher(self, seq_id: int):
+        """Sequence ``seq_id``'s constraint state (:mod:`engine.structured_output`); None if unconstrained."""
+        return None if self.is_beam_search else self.seqs[seq_id].matcher
 
     def banned_tokens(self, seq_id: int) -> tuple[int, ...]:
         """Tokens this sequence may not produce next: EOS and stop tokens before ``min_tokens``,
@@ -127,6 +139,8 @@ class RequestState:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(step_logprobs)
         before = len(seq.decoded.text)
+        if seq.matcher is not None and self._follow_constraint(seq, token):
+            return True
         if tokenizer is not None:
             seq.decoded = decode_next(tokenizer, seq.token_ids, seq.decoded,
                                       prompt_context=self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
@@ -134,10 +148,21 @@ class RequestState:
         seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
         return seq.finish_reason is not None
 
+    def _follow_constraint(self, seq: SeqProgress, token: int) -> bool:
+        """Advance ``seq``'s constraint by ``token``; True (the request ends with an error) if
+        the constraint allowed no token at all here."""
+        error = structured_output.advance(seq.matcher, token)
+        if error is None:
+            return False
+        self.error = f"the output cannot follow its {self.params.guided_decoding.kind} constraint: {error}"
+        seq.finish_reason = "abort"
+        return True
+
     def _stop_reason(self, seq: SeqProgress, token: int, new_chars: int) -> tuple[str | None, str | int | None]:
         """Why ``seq`` ends with ``token`` (which added ``new_chars`` to its text), as vLLM
         decides it: nothing but the length limit before ``min_tokens``; then EOS, a stop token
-        or a stop string, whose text is cut unless ``include_stop_str_in_output``."""
+        or a stop string, whose text is cut unless ``include_stop_str_in_output``. A constraint
+        that allows nothing more (a complete JSON value, the end of a choice) ends it too."""
         params = self.params
         if len(seq.token_ids) >= params.min_tokens:
             keep = params.include_stop_str_in_output
@@ -150,6 +175,8 @@ class RequestState:
                 index, stop = found
                 self._cut_text(seq, index + len(stop) if keep else index)
                 return "stop", stop
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop", None
         if len(seq.token_ids) >= self.max_tokens:
             return "length", None
         return None, None

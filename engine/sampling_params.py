@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,59 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedDecodingParams:
+    """A constraint on what a request generates (vLLM's structured outputs; also named
+    ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as a dict or its
+    text), ``json_object`` (any JSON object), ``regex``, ``choice`` (the output is one of these
+    strings) or ``grammar`` (Lark, or GBNF/EBNF as llama.cpp writes it). JSON may hold
+    whitespace between tokens unless ``disable_any_whitespace``, or as ``whitespace_pattern``
+    (a regex) allows. ``backend`` is accepted for vLLM's scripts; every constraint runs on
+    llguidance. Invalid values raise ``ValueError`` naming the field; an invalid schema,
+    regex or grammar is refused when the request is added."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+
+    def __post_init__(self):
+        owner = "GuidedDecodingParams"
+        if isinstance(self.json, Mapping):  # canonical text: one cache entry per schema
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if isinstance(self.choice, Iterable) and not isinstance(self.choice, (str, bytes)):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        _require(len(given) == 1, "json/regex/choice/grammar/json_object", "exactly one of them",
+                 given or None, owner)
+        for field in ("json", "regex", "grammar", "whitespace_pattern", "backend"):
+            value = getattr(self, field)
+            _require(value is None or (isinstance(value, str) and value), field, "a non-empty string", value, owner)
+        _require(self.choice is None or (isinstance(self.choice, tuple) and self.choice
+                                         and all(isinstance(c, str) and c for c in self.choice)),
+                 "choice", "a non-empty list of non-empty strings", self.choice, owner)
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"{owner}.json must be a JSON schema, got text that is not JSON: {error}") from None
+            _require(isinstance(schema, (dict, bool)), "json", "a JSON schema (an object)", self.json, owner)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+                    ) if not self.json_object else "json_object"
+
+
+StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +106,8 @@ class SamplingParams:
     tokens generated so far end with the ones before it. detokenize: False leaves the text
     empty and log-probabilities without decoded tokens (token ids only; no stop strings).
     output_kind: which outputs the engine's steps return (``RequestOutputKind``).
+    guided_decoding: a constraint every completion follows (``GuidedDecodingParams``: a JSON
+    schema, a regex, a choice or a grammar; vLLM's).
     """
 
     n: int = 1
@@ -79,6 +135,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
         for field in ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -232,6 +289,8 @@ def _check(p: SamplingParams) -> None:
     _require(p.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY), "output_kind",
              "RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not supported: take the new part of each "
              "cumulative output)", p.output_kind)
+    _require(p.guided_decoding is None or isinstance(p.guided_decoding, GuidedDecodingParams), "guided_decoding",
+             "None or a GuidedDecodingParams", p.guided_decoding)
     if p.greedy:
         _require(p.num_candidates in (1, p.n), "best_of", "equal to n when temperature is 0 (greedy)", p.best_of)
 

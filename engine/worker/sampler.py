@@ -1,7 +1,7 @@
 """Picking the next token for a whole batch in one jitted call, each row with its own parameters.
 
-Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``)
-and tokens outside a row's allowed list,
+Order, as in vLLM: logit biases, penalties on the logits, banned tokens (EOS before ``min_tokens``),
+tokens outside a row's allowed list and those its structured output's constraint rules out,
 temperature, then min-p, top-k and top-p truncation (top-p of what the other two leave), then
 one draw from what is left. Greedy
 rows take the arg-max of the biased and penalised logits. Each row's random number is a Threefry hash of
@@ -40,7 +40,9 @@ class SamplingBatch:
     int32[rows, max_biased] (-1 padded) and bias_values: float32[rows, max_biased], the
     requests' ``logit_bias`` (``max_biased`` is 0 when no row has any); allowed:
     int32[rows, max_allowed] (-1 padded; 0 wide when no row restricts), the only tokens a row
-    with any listed may produce.
+    with any listed may produce; token_bitmask: int32[rows, words] (0 wide when no row is
+    constrained), bit ``t % 32`` of word ``t // 32`` set where token t may come next (a
+    structured output's constraint; unconstrained rows have every bit set).
     Static: ``penalties``, ``top_p_or_min_p`` and ``all_greedy`` switch whole stages off;
     ``max_top_k`` bounds every row's top_k (0: no row uses top-k); ``num_top_logprobs`` is how
     many alternatives to return per row; ``ranks``, whether to rank each chosen token;
@@ -65,6 +67,7 @@ class SamplingBatch:
     bias_tokens: jax.Array
     bias_values: jax.Array
     allowed: jax.Array
+    token_bitmask: jax.Array
     penalties: bool = flax.struct.field(pytree_node=False, default=False)
     top_p_or_min_p: bool = flax.struct.field(pytree_node=False, default=False)
     max_top_k: int = flax.struct.field(pytree_node=False, default=0)
@@ -98,6 +101,12 @@ def _token_mask(token_ids, vocab_size):
     rows = jnp.arange(token_ids.shape[0])[:, None]
     index = jnp.where(token_ids < 0, vocab_size, token_ids)
     return jnp.zeros((token_ids.shape[0], vocab_size), bool).at[rows, index].set(True, mode="drop")
+
+
+def unpack_bitmask(bitmask, vocab_size):
+    """int32[rows, words] → bool[rows, vocab_size]: bit ``t % 32`` of word ``t // 32`` for token t."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def apply_logit_bias(logits, batch: SamplingBatch):
@@ -241,6 +250,8 @@ def sample(logits, batch: SamplingBatch) -> SamplerOutput:
     if batch.allowed.shape[-1]:
         restricted = (batch.allowed >= 0).any(axis=-1, keepdims=True)
         processed = jnp.where(restricted & ~_token_mask(batch.allowed, logits.shape[-1]), -jnp.inf, processed)
+    if batch.token_bitmask.shape[-1]:
+        processed = jnp.where(unpack_bitmask(batch.token_bitmask, logits.shape[-1]), processed, -jnp.inf)
     tokens = argmax(processed)
     if not batch.all_greedy:
         scaled = processed / jnp.maximum(batch.temperature, _MIN_TEMPERATURE)[:, None]

@@ -9,10 +9,13 @@ compiles for few shapes, ahead of the steps that need them (:func:`warm_up`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from engine import structured_output
+from engine.core.scheduler import ScheduledGroupWork
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.worker import stages
@@ -36,6 +39,27 @@ class Row:
     logits_row: int
     request: RequestState
     seq_id: int
+
+
+def logits_plan(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState]
+                ) -> tuple[list[int], list[Row], list[tuple[RequestState, ScheduledGroupWork, int]]]:
+    """Which of ``works``' tokens (indices into their concatenation) need logits: the last of
+    every sampling work, read by one row per sequence (the returned ``Row``s), and every token
+    of prefills whose request wants prompt log-probabilities (``(request, work, first logits
+    row)`` each)."""
+    logits_tokens, rows, prompt_rows, cursor = [], [], [], 0
+    for work in works:
+        request = requests.get(work.request_id)
+        n = len(work.token_ids)
+        if request is not None and work.is_prefill and request.prompt_logprobs is not None:
+            prompt_rows.append((request, work, len(logits_tokens)))
+            logits_tokens += range(cursor, cursor + n)
+        elif request is not None and work.do_sample:
+            logits_tokens.append(cursor + n - 1)
+        if request is not None and work.do_sample:
+            rows += [Row(len(logits_tokens) - 1, request, seq_id) for seq_id in work.seq_ids]
+        cursor += n
+    return logits_tokens, rows, prompt_rows
 
 
 def _padded(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1) -> np.ndarray:
@@ -90,6 +114,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         bias_values=_padded([values for _, values in biases], when=biased, fill=0.0, dtype=np.float32,
                                    min_width=_MIN_BIAS_WIDTH),
         allowed=_padded(allowed, when=any(len(ids) for ids in allowed), min_width=_MIN_BIAS_WIDTH),
+        token_bitmask=_constraint_masks(rows, size, vocab_size),
         penalties=penalties,
         top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in sampling if not p.greedy),
         max_top_k=min(_pow2(top_k), vocab_size) if top_k else 0,
@@ -100,9 +125,22 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
     )
 
 
+def _constraint_masks(rows: list[Row], size: int, vocab_size: int) -> np.ndarray:
+    """int32 [size, words]: each constrained row's allowed next tokens as a bitmask
+    (:mod:`engine.structured_output`), every bit set in the other rows; [size, 0] when no row
+    is constrained, so that their batches run the sampler's programs without a mask."""
+    matchers = [(i, matcher) for i, row in enumerate(rows)
+                if (matcher := row.request.matcher(row.seq_id)) is not None]
+    if not matchers:
+        return np.zeros((size, 0), np.int32)
+    bitmask = np.full((size, structured_output.bitmask_width(vocab_size)), -1, np.int32)
+    structured_output.fill_bitmasks(matchers, bitmask)
+    return bitmask
+
+
 def argmax_suffices(rows: list[Row]) -> bool:
     """Whether the sampler takes nothing but each row's arg-max of the model's logits: every row
-    greedy, without penalties, logit biases, banned or allowed tokens, and without
+    greedy, without penalties, logit biases, banned or allowed tokens or a constraint, and without
     log-probabilities (what :func:`batch_for` then switches off). The head may then compute
     exactly only the logits that can be the largest (``models.Metadata.argmax_rows``)."""
     return bool(rows) and all(_argmax_suffices(row) for row in rows)
@@ -112,7 +150,8 @@ def _argmax_suffices(row: Row) -> bool:
     request, p = row.request, row.request.params
     return (isinstance(p, SamplingParams) and p.greedy and not request.tracks_logprob
             and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-            and not p.logit_bias and not len(p.allowed_array) and not request.banned_tokens(row.seq_id))
+            and not p.logit_bias and not len(p.allowed_array) and not request.banned_tokens(row.seq_id)
+            and p.guided_decoding is None)
 
 
 def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:

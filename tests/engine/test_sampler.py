@@ -87,7 +87,7 @@ def test_penalties_change_logits_as_hugging_face_and_openai_do():
         sample_index=jnp.zeros(2, jnp.int32), step=jnp.zeros(2, jnp.int32), output_tokens=jnp.asarray(output),
         prompt_tokens=jnp.asarray(prompt), banned=jnp.zeros((2, 0), jnp.int32),
         bias_tokens=jnp.zeros((2, 0), jnp.int32), bias_values=jnp.zeros((2, 0)),
-        allowed=jnp.zeros((2, 0), jnp.int32), penalties=True)
+        allowed=jnp.zeros((2, 0), jnp.int32), token_bitmask=jnp.zeros((2, 0), jnp.int32), penalties=True)
     ours = np.asarray(apply_penalties(jnp.asarray(logits), batch))
     for row, (penalty, presence, frequency) in enumerate([(1.3, 0.5, 0.25), (0.8, 0.0, 1.0)]):
         seen = [t for t in list(prompt[row]) + list(output[row]) if t >= 0]
@@ -107,7 +107,7 @@ def test_top_p_keeps_its_share_of_what_top_k_and_min_p_leave():
     rows = 4
     logits = jnp.asarray(np.log(np.stack([probs] * rows)))
     zeros = {name: jnp.zeros((rows, 0), jnp.int32) for name in ("output_tokens", "prompt_tokens", "banned",
-                                                                 "bias_tokens", "allowed")}
+                                                                 "bias_tokens", "allowed", "token_bitmask")}
     batch = SamplingBatch(
         temperature=jnp.ones(rows), top_p=jnp.asarray([0.5, 0.5, 0.99, 0.5]),
         top_k=jnp.asarray([2, 0, 2, 0], jnp.int32), min_p=jnp.asarray([0.0, 0.0, 0.0, 0.8]),

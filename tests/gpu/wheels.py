@@ -20,12 +20,12 @@ WHEELS = [
     "Jinja2", "MarkupSafe", "tqdm", "filelock", "fsspec", "packaging", "fastapi", "starlette", "annotated-doc",
     "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "uvicorn", "h11",
     "click", "anyio", "sniffio", "idna", "prometheus_client", "opentelemetry-api", "importlib_metadata", "zipp",
-    "rpds-py",
+    "rpds-py", "llguidance",
     # the tests: pytest, hypothesis and the openai client
     "pytest", "pytest-timeout", "iniconfig", "pluggy", "Pygments", "hypothesis", "sortedcontainers", "attrs",
     "openai", "httpx", "httpcore", "certifi", "distro", "jiter",
 ]
-PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_28_x86_64"]
+PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64"]
 
 
 def pinned() -> list[str]:
