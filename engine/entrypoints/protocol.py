@@ -3,13 +3,14 @@ its error object and ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
 
 # Sampling fields a beam search cannot honour, with the values that ask for nothing. vLLM's
 # server ignores them there; this one refuses them rather than answer something else.
@@ -74,6 +75,40 @@ class _Sampling(_Request):
     bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    response_format: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict | None = None
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The request's constraint, from whichever of its fields sets one (None if none does).
+        Raises ValueError naming the fields when several do, or a field that is malformed."""
+        given = {name: value for name, value in [
+            ("response_format", _response_format(self.response_format)), ("guided_json", self.guided_json),
+            ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+            ("guided_grammar", self.guided_grammar), ("structured_outputs", self.structured_outputs)]
+            if value is not None}
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each set a constraint on the output; send one of them")
+        if not given:
+            return None
+        name, value = next(iter(given.items()))
+        fields = value if name in ("response_format", "structured_outputs") else {name.removeprefix("guided_"): value}
+        if not isinstance(fields, dict):
+            raise ValueError(f"{name} must be an object, got {fields!r}")
+        known = {field.name for field in dataclasses.fields(GuidedDecodingParams)}
+        if set(fields) - known:
+            raise ValueError(f"{name} has unknown fields {sorted(set(fields) - known)}; it takes {sorted(known)}")
+        extra = {"whitespace_pattern": self.guided_whitespace_pattern, "backend": self.guided_decoding_backend}
+        try:
+            return GuidedDecodingParams(**{**{k: v for k, v in extra.items() if v is not None}, **fields})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
 
     def engine_params(self, *, max_tokens: int, logprobs: int | None,
                       best_of: int | None = None) -> SamplingParams | BeamSearchParams:
@@ -82,6 +117,7 @@ class _Sampling(_Request):
         if not self.use_beam_search:
             return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of)
         refused = [name for name, unset in _NOT_FOR_BEAMS.items() if getattr(self, name, None) not in unset]
+        refused += ["a constraint on the output (structured outputs)"] if self.guided_decoding() else []
         if refused:
             raise ValueError(f"{', '.join(refused)} cannot be used with use_beam_search (beam search does not "
                              "sample); leave them out")
@@ -100,7 +136,23 @@ class _Sampling(_Request):
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
-            bad_words=self.bad_words or ())
+            bad_words=self.bad_words or (), guided_decoding=self.guided_decoding())
+
+
+def _response_format(response_format: dict | None) -> dict | None:
+    """OpenAI's ``response_format`` as ``GuidedDecodingParams``' fields (None for text).
+    Raises ValueError for a type this server does not know or a schema that is missing."""
+    kind = (response_format or {}).get("type") or "text"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return {"json": schema}
+    raise ValueError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -194,7 +246,6 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
-    response_format: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
 
@@ -205,10 +256,6 @@ class ChatRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.echo:
             raise ValueError("echo is not supported for chat; use /v1/completions with echo")
-        kind = (self.response_format or {}).get("type") or "text"
-        if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported (no guided decoding); leave it out or "
-                             "use 'text'")
         if (self.tools and self.tool_choice != "none") or self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool calling is not supported; leave tools out or set tool_choice to 'none'")
         return self
