@@ -87,6 +87,7 @@ bench: install
 	$(PY) -m benchmarks.throughput traces
 	$(PY) -m benchmarks.memory
 	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.structured_output
 	$(PY) -m benchmarks.tensor_parallel
 	$(PY) -m benchmarks.readme
 
@@ -98,6 +99,7 @@ bench-quick: install
 	$(PY) -m benchmarks.throughput traces --quick
 	$(PY) -m benchmarks.memory --quick
 	$(PY) -m benchmarks.serving --quick
+	$(PY) -m benchmarks.structured_output --quick
 	$(PY) -m benchmarks.tensor_parallel --quick
 
 clean:
