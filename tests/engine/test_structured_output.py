@@ -98,6 +98,21 @@ def test_preempted_constrained_requests_resume_with_the_same_output(mode):
     assert_all_blocks_free(tight)
 
 
+def test_best_of_stop_strings_and_logprobs_work_with_a_constraint(llm):
+    """The ``n`` best of ``best_of`` constrained samples, cut by a stop string kept in the text
+    (the first closing brace, perhaps inside a string), each token with its log-probabilities;
+    every token one the constraint allows there."""
+    params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=5, max_tokens=120, stop=["}"],
+                            include_stop_str_in_output=True, logprobs=3, guided_decoding=CITY)
+    for output in llm.chat(ASK[:2], params, use_tqdm=False):
+        assert len(output.outputs) == 2
+        for completion in output.outputs:
+            assert completion.text.endswith("}") and completion.stop_reason == "}"
+            assert llm.engine.grammars.matcher(CITY).consume_tokens(list(completion.token_ids))
+            assert len(completion.logprobs) == len(completion.token_ids)
+    assert_all_blocks_free(llm)
+
+
 def test_an_invalid_constraint_is_refused_naming_what_is_wrong(llm):
     outputs = llm.generate(["a", "b", "c"], [
         SamplingParams(guided_decoding=GuidedDecodingParams(regex="[a-")),
@@ -106,6 +121,8 @@ def test_an_invalid_constraint_is_refused_naming_what_is_wrong(llm):
     assert "invalid regex constraint" in outputs[0].error and "unclosed character class" in outputs[0].error
     assert "invalid json constraint" in outputs[1].error and "colour" in outputs[1].error
     assert outputs[2].error is None and outputs[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match="invalid grammar constraint"):  # the engine's own add_request
+        llm.engine.add_request("bad", "a", SamplingParams(guided_decoding=GuidedDecodingParams(grammar="start: ((")))
     assert_all_blocks_free(llm)
 
 
