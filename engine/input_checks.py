@@ -12,14 +12,14 @@ from engine.sampling_params import BeamSearchParams, SamplingParams
 def check_prompt(token_ids: list[int], request_id: str = "", *, max_model_len: int, vocab_size: int) -> None:
     """Raise ``InvalidRequestError`` for a prompt ``add_request`` would refuse (safe from any thread)."""
     if not token_ids:
-        raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        raise InvalidRequestError(f"{_who(request_id)}the prompt is empty")
     if len(token_ids) >= max_model_len:
         raise InvalidRequestError(
-            f"request {request_id!r}: the prompt has {len(token_ids)} tokens but max_model_len is "
+            f"{_who(request_id)}the prompt has {len(token_ids)} tokens but max_model_len is "
             f"{max_model_len}; shorten the prompt or raise max_model_len")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+        raise InvalidRequestError(f"{_who(request_id)}token ids {bad[:5]} are outside the vocabulary "
                                   f"[0, {vocab_size})")
 
 
@@ -33,22 +33,28 @@ def check_params(params: SamplingParams | BeamSearchParams, request_id: str = ""
     if width > max_num_seqs:
         field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)
                  else "best_of" if width > params.n else "n")
-        raise InvalidRequestError(f"request {request_id!r}: {field}={width} needs {width} sequences at once, more "
+        raise InvalidRequestError(f"{_who(request_id)}{field}={width} needs {width} sequences at once, more "
                                   f"than max_num_seqs={max_num_seqs}; lower it or raise max_num_seqs")
     if getattr(params, "bad_words", ()) and tokenizer is None:
-        raise InvalidRequestError(f"request {request_id!r}: bad_words needs a tokenizer, and this model has none")
+        raise InvalidRequestError(f"{_who(request_id)}bad_words needs a tokenizer, and this model has none")
     guided = getattr(params, "guided_decoding", None)
     if guided is not None:
         if grammars is None:
-            raise InvalidRequestError(f"request {request_id!r}: structured outputs need a tokenizer, and this "
+            raise InvalidRequestError(f"{_who(request_id)}structured outputs need a tokenizer, and this "
                                       "model has none")
         try:
             grammars.matcher(guided)  # compiled once, and cached for the request
         except ValueError as error:
-            raise InvalidRequestError(f"request {request_id!r}: {error}") from None
+            raise InvalidRequestError(f"{_who(request_id)}{error}") from None
     for field, ids in [("logit_bias", [t for t, _ in getattr(params, "logit_bias", ())]),
                        ("allowed_token_ids", getattr(params, "allowed_token_ids", None) or ())]:
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise InvalidRequestError(f"request {request_id!r}: {field} token ids {bad[:5]} are outside the "
+            raise InvalidRequestError(f"{_who(request_id)}{field} token ids {bad[:5]} are outside the "
                                       f"vocabulary [0, {vocab_size})")
+
+
+def _who(request_id: str) -> str:
+    """The message's prefix naming the request; none for a request checked before it has an
+    id (the server checks a request before queueing it, and its client knows which it sent)."""
+    return f"request {request_id!r}: " if request_id else ""

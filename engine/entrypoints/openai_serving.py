@@ -22,8 +22,10 @@ from engine.sampling_params import BeamSearchParams, SamplingParams, final_only
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], on_finished=None):
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], on_finished=None,
+                 max_new_tokens: int | None = None):
         self.engine = engine
+        self.max_new_tokens = max_new_tokens
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.model_names = model_names
@@ -62,7 +64,9 @@ class OpenAIServing:
         return params
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """The completion budget; refuses prompts (plus requested tokens) over the context."""
+        """The completion budget: what was requested, else up to the context, at most the
+        server's ``max_new_tokens`` (vLLM's rule); refuses prompts (plus requested tokens) over
+        the context."""
         room = self.max_model_len - prompt_len
         if room <= 0 or (requested is not None and requested > room):
             wanted = prompt_len + (requested or 0)
@@ -70,7 +74,8 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({prompt_len} in the prompt, {requested or 0} in the completion). Please reduce "
                 f"the length of the prompt or of max_tokens.")
-        return requested if requested is not None else room
+        budget = requested if requested is not None else room
+        return budget if self.max_new_tokens is None else min(budget, self.max_new_tokens)
 
     # -- completions ------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import math
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 from engine.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
 
@@ -48,30 +48,31 @@ class _Sampling(_Request):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    # The ranges SamplingParams accepts, declared here too so that /openapi.json states them.
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=20)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[NonNegativeInt] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -171,11 +172,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 class CompletionRequest(_Sampling):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids, or lists of them."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    prompt: str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
+    best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=0)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -242,7 +243,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -276,6 +277,48 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (:func:`error_body`), on every status but 200."""
+
+    error: ErrorDetail
 
 
 class RequestError(ValueError):

@@ -8,29 +8,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
+import functools
+import json
 import logging
 import os
 import time
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
+from engine.entrypoints import routes
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.metrics import Metrics
 from engine.entrypoints.openai_serving import OpenAIServing
-from engine.entrypoints.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    RequestError,
-    TokenizeRequest,
-    error_body,
-)
+from engine.entrypoints.protocol import RequestError, error_body
 from engine.llm_engine import LLMEngine
 from engine.worker import kv_cache_size
 
@@ -73,16 +69,31 @@ class BodyLimit:
 
 
 def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
-               max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    """The FastAPI application serving ``engine`` under ``model_names`` (the first is the default)."""
+               max_body_bytes: int = 4 * 2**20, max_new_tokens: int | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` under ``model_names`` (the first is the
+    default); ``max_new_tokens`` caps every request's ``max_tokens`` and is the default of
+    those that send none (vLLM's ``max_new_tokens`` in ``--override-generation-config``)."""
     metrics = Metrics(model_names[0], block_size=engine.engine.cache.spec.block_size)
-    serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished)
-    app = FastAPI(title="pallas-paged", docs_url=None, redoc_url=None)
+    serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished, max_new_tokens=max_new_tokens)
+    app = FastAPI(title="pallas-paged", version=routes.version_of_package(), docs_url=None, redoc_url=None)
 
     async def authorized(request: Request):
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", 401,
                                "authentication_error")
+
+    _handle_errors(app)
+    app.include_router(routes.generation(serving, authorized))
+    app.include_router(routes.tokenizer(serving, authorized))
+    app.include_router(routes.operations(serving, metrics))
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.openapi = functools.partial(_openapi, app)
+    return app
+
+
+def _handle_errors(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON body; a body FastAPI cannot validate is a 400 (OpenAI's and
+    vLLM's status), never FastAPI's 422."""
 
     @app.exception_handler(RequestError)
     async def request_error(_, error: RequestError):
@@ -103,84 +114,29 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str |
     async def validation_error(_, error: RequestValidationError):
         if any(e["type"] == "json_invalid" for e in error.errors()):
             return error_response("the request body is not valid JSON", 400)
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in error.errors())
-        return error_response(f"invalid request: {problems}", 400)
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.is_healthy else 503)
-
-    @app.get("/version")
-    async def version():
-        return {"version": _version()}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.exposition(engine.snapshot), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def list_models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pallas-paged",
-             "max_model_len": serving.max_model_len} for name in model_names]}
-
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request):
-        if body.stream:
-            return _stream(serving.completion_stream(body))
-        return await _unless_disconnected(serving.completion(body), request)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatRequest, request: Request):
-        if body.stream:
-            return _stream(serving.chat_stream(body))
-        return await _unless_disconnected(serving.chat(body), request)
-
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
-    async def tokenize(body: TokenizeRequest):
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise RequestError("send exactly one of prompt or messages")
-        if body.prompt is not None:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            tokens = serving.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
-
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
-    async def detokenize(body: DetokenizeRequest):
-        serving.check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise RequestError(f"tokens must be in [0, {vocab})")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
-
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    return app
+        return error_response("; ".join(map(_problem, error.errors())), 400)
 
 
-def _version() -> str:
-    """The installed distribution's version (vLLM's ``/version``)."""
-    try:
-        return importlib.metadata.version("pallas-paged")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+def _problem(error: dict) -> str:
+    """One of pydantic's validation errors as what to change: the field, then the message
+    (without pydantic's "Value error, " for the checks written here)."""
+    where = ".".join(str(part) for part in error["loc"] if part != "body")
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
-def _stream(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream")
-
-
-async def _unless_disconnected(work, request: Request):
-    """Await ``work``, cancelling it (which aborts its requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)
-    return task.result()
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of ``app`` without the 422 it adds to every route with a body: this
+    server answers those validation errors with 400, which the routes declare."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,8 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-scheduler-steps", type=int, default=1,
         help="decode steps per dispatch when a step only decodes, sampled on the device (same output; "
              "fewer host round trips, new requests wait up to that many steps)")
+    add("--override-generation-config", type=_generation_config, default={}, metavar="JSON",
+        help='vLLM\'s, for max_new_tokens only: \'{"max_new_tokens": N}\' caps every request\'s max_tokens at N '
+             "and is the default of requests that send none (else: up to the context, as in vLLM)")
     add("--log-level", default="info")
     return parser
+
+
+def _generation_config(text: str) -> dict:
+    """``--override-generation-config``'s JSON; argparse reports the ValueError."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(config, dict) or set(config) - {"max_new_tokens"}:
+        raise argparse.ArgumentTypeError("this server takes only max_new_tokens from it, as "
+                                         '\'{"max_new_tokens": N}\'; sampling defaults are sent per request')
+    value = config.get("max_new_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise argparse.ArgumentTypeError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+    return config
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -251,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                     max_new_tokens=args.override_generation_config.get("max_new_tokens"))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     ready = (f"ready: serving {names[0]} at http://{args.host}:{args.port}/v1 with "
              f"{engine.engine.kv_capacity_tokens} KV-cache tokens (sized by {engine.engine.kv_cache_size.reason}; "
