@@ -98,7 +98,7 @@ class OpenAIServing:
             if request.echo and request.logprobs is not None:
                 if request.use_beam_search:
                     raise RequestError("echo with logprobs cannot be used with use_beam_search")
-                params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+                params = dataclasses.replace(params, prompt_logprobs=max(request.logprobs, params.prompt_logprobs or 0))
             plans.append((ids, params))
         return model, plans
 
@@ -114,7 +114,8 @@ class OpenAIServing:
                     shown = self._with_prompt(c, ids, output)
                 logprobs = None if request.logprobs is None else self._completion_logprobs(shown, request.logprobs)
                 choices.append({"index": prompt_index * request.n + c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                **_prompt_logprobs(output, request.prompt_logprobs)})
         return {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, finals)}
 
@@ -183,7 +184,8 @@ class OpenAIServing:
                     "logprobs": self._chat_logprobs(c, request.top_logprobs) if request.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
         return {"id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": _usage(plans, [output])}
+                "choices": choices, "usage": _usage(plans, [output]),
+                **_prompt_logprobs(output, request.prompt_logprobs)}
 
     def chat_stream(self, request: ChatRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
@@ -336,6 +338,21 @@ def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:
                                  logprobs=None if c.logprobs is None else (),
                                  finish_reason=c.finish_reason and "length") for c in output.outputs]
     return dataclasses.replace(output, outputs=tuple(empty))
+
+
+def _prompt_logprobs(output: RequestOutput, num_top: int | None) -> dict:
+    """vLLM's ``prompt_logprobs`` field when asked for (else nothing): per prompt token, None
+    for the first (it has no context), then {token id: {logprob, rank, decoded_token}} of the
+    token itself and its ``num_top`` most likely alternatives."""
+    if num_top is None:
+        return {}
+    def entry(step):
+        chosen = next(iter(step))  # the prompt's own token comes first
+        return {str(token): {"logprob": float(value), "rank": value.rank, "decoded_token": value.decoded_token}
+                for token, value in step.items() if token == chosen or value.rank <= num_top}
+
+    entries = [None if step is None else entry(step) for step in output.prompt_logprobs or ()]
+    return {"prompt_logprobs": entries}
 
 
 def _usage(plans, finals) -> dict:

@@ -17,7 +17,8 @@ from engine.sampling_params import BeamSearchParams, GuidedDecodingParams, Sampl
 _NOT_FOR_BEAMS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
                   "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": (None, [], ""),
                   "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}),
-                  "allowed_token_ids": (None,), "best_of": (None,), "bad_words": (None, [])}
+                  "allowed_token_ids": (None,), "best_of": (None,), "bad_words": (None, []),
+                  "prompt_logprobs": (None,)}
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +47,8 @@ class _Sampling(_Request):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs cannot be streamed; leave out stream or prompt_logprobs")
         return self
 
     # The ranges SamplingParams accepts, declared here too so that /openapi.json states them.
@@ -76,6 +79,7 @@ class _Sampling(_Request):
     bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict | None = None
     guided_json: str | dict | None = None
@@ -137,7 +141,8 @@ class _Sampling(_Request):
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
-            bad_words=self.bad_words or (), guided_decoding=self.guided_decoding())
+            bad_words=self.bad_words or (), guided_decoding=self.guided_decoding(),
+            prompt_logprobs=self.prompt_logprobs)
 
 
 def _response_format(response_format: dict | None) -> dict | None:
