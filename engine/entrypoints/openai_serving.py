@@ -116,7 +116,8 @@ class OpenAIServing:
                 choices.append({"index": prompt_index * request.n + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                 **_prompt_logprobs(output, request.prompt_logprobs)})
-        return {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+        return {"id": response_id("cmpl", request.request_id), "object": "text_completion",
+                "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, finals)}
 
     def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
@@ -125,7 +126,8 @@ class OpenAIServing:
         return ending_with_errors(self._completion_chunks(request, model, plans))
 
     async def _completion_chunks(self, request: CompletionRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = chunk_writer("cmpl", "text_completion", model, includes_usage(request))
+        chunk = chunk_writer(response_id("cmpl", request.request_id), "text_completion", model,
+                             includes_usage(request))
         sent: dict[tuple[int, int], ChoiceProgress] = {}
         finals = {}
 
@@ -155,23 +157,28 @@ class OpenAIServing:
 
     # -- chat -------------------------------------------------------------------------------
 
-    def chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
-        """Token ids of ``messages`` through the chat template (for chat requests and /tokenize)."""
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise RequestError("this model has no chat template; use /v1/completions")
-        if continue_final_message and add_generation_prompt:
+    def chat_ids(self, request) -> list[int]:
+        """Token ids of ``request``'s messages (a chat or /tokenize request) through the chat
+        template: the model's, or the request's ``chat_template``, with its ``chat_template_kwargs``."""
+        template, extra = request.chat_template, request.chat_template_kwargs or {}
+        if self.tokenizer is None or (self.tokenizer.chat_template is None and template is None):
+            raise RequestError("this model has no chat template; send chat_template or use /v1/completions")
+        if request.continue_final_message and request.add_generation_prompt:
             raise RequestError("continue_final_message needs add_generation_prompt set to false")
+        reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise RequestError(f"chat_template_kwargs cannot set {reserved}; send them as request fields")
         try:
             return list(self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, return_dict=False))
+                [m.as_template_input() for m in request.messages], chat_template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, tokenize=True, return_dict=False, **extra))
         except (ValueError, jinja2.TemplateError) as error:  # the template refuses these messages
             raise RequestError(f"the chat template cannot render these messages: {error}") from None
 
     def plan_chat(self, request: ChatRequest):
         model = self.check_model(request.model)
-        ids = _last(self.chat_ids(request.messages, request.add_generation_prompt, request.continue_final_message),
-                    request.truncate_prompt_tokens)
+        ids = _last(self.chat_ids(request), request.truncate_prompt_tokens)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
                               logprobs=logprobs)
@@ -183,7 +190,8 @@ class OpenAIServing:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, request.top_logprobs) if request.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
-        return {"id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+        return {"id": response_id("chatcmpl", request.request_id), "object": "chat.completion",
+                "created": int(time.time()), "model": model,
                 "choices": choices, "usage": _usage(plans, [output]),
                 **_prompt_logprobs(output, request.prompt_logprobs)}
 
@@ -193,7 +201,8 @@ class OpenAIServing:
         return ending_with_errors(self._chat_chunks(request, model, plans))
 
     async def _chat_chunks(self, request: ChatRequest, model: str, plans) -> AsyncIterator[str]:
-        chunk = chunk_writer("chatcmpl", "chat.completion.chunk", model, includes_usage(request))
+        chunk = chunk_writer(response_id("chatcmpl", request.request_id), "chat.completion.chunk", model,
+                             includes_usage(request))
         sent: dict[int, ChoiceProgress] = {}
         final = None
 
@@ -338,6 +347,12 @@ def _shown(output: RequestOutput, request: CompletionRequest) -> RequestOutput:
                                  logprobs=None if c.logprobs is None else (),
                                  finish_reason=c.finish_reason and "length") for c in output.outputs]
     return dataclasses.replace(output, outputs=tuple(empty))
+
+
+# apply_chat_template's own arguments, which a request sets through its fields, not chat_template_kwargs
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+                       "tokenize", "return_dict", "tools", "documents", "padding", "truncation", "max_length",
+                       "return_tensors", "return_assistant_tokens_mask"}
 
 
 def _prompt_logprobs(output: RequestOutput, num_top: int | None) -> dict:

@@ -4,6 +4,7 @@ its error object and ids."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import uuid
 from typing import Literal
@@ -11,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 from engine.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
+
+log = logging.getLogger("engine.serve")
 
 # Sampling fields a beam search cannot honour, with the values that ask for nothing. vLLM's
 # server ignores them there; this one refuses them rather than answer something else.
@@ -23,21 +26,54 @@ _NOT_FOR_BEAMS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (0.0,),
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported: usage comes in the last chunk "
+                             "with include_usage")
+        return self
+
+
+# Fields of OpenAI's or vLLM's requests that would change what is generated or returned, which
+# this server does not do: refused (400) when sent with anything but these values, never ignored.
+REFUSED_FIELDS = {
+    "return_tokens_as_token_ids": ((False,), "log-probabilities name tokens by their text"),
+    "functions": ((None, []), "tool calling is not supported"),
+    "function_call": ((None, "none"), "tool calling is not supported"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer decodes them"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "logits_processors": ((None, []), "logits processors are not supported"),
+    "documents": ((None, []), "chat templates get the messages only"),
+    "mm_processor_kwargs": ((None, {}), "this model reads text only"),
+    "structural_tag": ((None,), "structural tags are not supported; use guided_json or guided_grammar"),
+}
+_logged_fields: set[str] = set()
 
 
 class _Request(BaseModel):
-    """A request body: unknown fields are ignored, as OpenAI's server does, and a field sent as
-    ``null`` takes its default (OpenAI's clients may send every optional field), except
-    ``max_tokens``, where null means "up to the context", as in vLLM."""
+    """A request body. A field sent as ``null`` takes its default (OpenAI's clients may send
+    every optional field), except ``max_tokens``, where null means "up to the context", as in
+    vLLM. A field in ``REFUSED_FIELDS`` is a 400 saying why; any other unknown field cannot
+    change the output here, and is accepted and logged once (as vLLM logs them)."""
 
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data):
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None or key == "max_tokens"}
-        return data
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            allowed, why = REFUSED_FIELDS.get(name, (None, None))
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"{name} is not supported ({why}); leave it out")
+            if name not in cls.model_fields and name not in REFUSED_FIELDS and name not in _logged_fields:
+                _logged_fields.add(name)
+                log.info("request field %r is accepted and ignored: it does not change what this server returns",
+                         name)
+        return {key: value for key, value in data.items() if value is not None or key == "max_tokens"}
 
 
 class _Sampling(_Request):
@@ -80,6 +116,7 @@ class _Sampling(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)  # the response's id: PREFIX-request_id
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict | None = None
     guided_json: str | dict | None = None
@@ -210,10 +247,13 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
 
     @model_validator(mode="after")
     def _text_parts_only(self):
         text_content(self.content)
+        if self.tool_calls:
+            raise ValueError("tool_calls in a message are not supported: tool calling is not supported")
         return self
 
     def as_template_input(self) -> dict:
@@ -254,6 +294,8 @@ class ChatRequest(_Sampling):
     echo: bool = False
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    chat_template: str | None = None  # vLLM's: this request's template instead of the model's
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
 
     @model_validator(mode="after")
     def _supported(self):
@@ -277,6 +319,9 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # with messages, as in a chat request
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):
@@ -303,6 +348,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):
@@ -339,6 +385,7 @@ def error_body(message: str, status: int, kind: str) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def response_id(prefix: str) -> str:
-    """A fresh id for a response or request, as OpenAI writes them (``cmpl-...``)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def response_id(prefix: str, given: str | None = None) -> str:
+    """An id for a response or request, as OpenAI writes them (``cmpl-...``): ``given`` (the
+    request's ``request_id``, as vLLM uses it) or a fresh one."""
+    return f"{prefix}-{given or uuid.uuid4().hex}"

@@ -83,8 +83,9 @@ def tokenizer(serving: OpenAIServing, authorized: Callable) -> APIRouter:
         if body.prompt is not None:
             tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            tokens = serving.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+            tokens = serving.chat_ids(body)
+        strings = serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len, "token_strs": strings}
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*_POST_ERRORS))
     async def detokenize(body: DetokenizeRequest):

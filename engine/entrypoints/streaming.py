@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.protocol import RequestError, error_body, response_id
+from engine.entrypoints.protocol import RequestError, error_body
 from engine.outputs import CompletionOutput
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,11 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def chunk_writer(prefix: str, kind: str, model: str, with_usage: bool = False):
-    """``chunk(choices, usage=None)`` → one server-sent event of a stream with a fixed id. With
-    ``with_usage`` (``stream_options.include_usage``) every chunk has a ``usage`` field, null
-    but in the last, as OpenAI documents."""
-    request_id, created = response_id(prefix), int(time.time())
+def chunk_writer(request_id: str, kind: str, model: str, with_usage: bool = False):
+    """``chunk(choices, usage=None)`` → one server-sent event of a stream with id ``request_id``
+    (``protocol.response_id``'s). With ``with_usage`` (``stream_options.include_usage``) every
+    chunk has a ``usage`` field, null but in the last, as OpenAI documents."""
+    created = int(time.time())
 
     def chunk(choices, usage=None):
         body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}

@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.entrypoints.protocol import REFUSED_FIELDS
 from tests.engine.server import SERVER_ARGS, running_server
 
 pytestmark = pytest.mark.slow
@@ -60,3 +61,73 @@ def test_prompt_logprobs_it_cannot_serve_are_refused(url, body, fragment):
     response = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
                                                                      **body})
     assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+TEMPLATE = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_requests_chat_template_and_its_kwargs_are_used(url):
+    messages = [{"role": "user", "content": " how are you?"}]
+    body = {"messages": messages, "chat_template": TEMPLATE, "chat_template_kwargs": {"greeting": "Hello,"}}
+    templated = httpx.post(url + "/tokenize", json={**body, "add_generation_prompt": False}).json()["tokens"]
+    plain = httpx.post(url + "/tokenize", json={"prompt": "Hello, how are you?", "add_special_tokens": False}).json()
+    assert templated == plain["tokens"]
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == len(templated)
+    reserved = httpx.post(url + "/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": False}})
+    assert reserved.status_code == 400 and "chat_template_kwargs cannot set ['tokenize']" in reserved.text
+
+
+def test_tokenize_returns_token_strings_when_asked(url):
+    response = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert response["token_strs"] == ["Hello", "Ġworld"] and response["count"] == 2
+
+
+def test_a_body_request_id_names_the_response(client):
+    response = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"request_id": "job-7"})
+    assert response.id == "cmpl-job-7"
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                            stream=True, extra_body={"request_id": "job-8"})
+    assert {chunk.id for chunk in stream} == {"chatcmpl-job-8"}
+
+
+CHAT = [{"role": "user", "content": "Hi"}]
+REFUSED = [  # (route, extra body, what the 400 names)
+    ("/v1/completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids is not supported"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions is not supported"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call is not supported"),
+    ("/v1/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens is not supported"),
+    ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors is not supported"),
+    ("/v1/chat/completions", {"documents": [{"text": "x"}]}, "documents is not supported"),
+    ("/v1/completions", {"structural_tag": "{}"}, "structural_tag is not supported"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds is not supported"),
+    ("/v1/chat/completions", {"mm_processor_kwargs": {"size": 1}}, "mm_processor_kwargs is not supported"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "continuous_usage_stats is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "tool_calls in a message are not supported"),
+]
+
+
+@pytest.mark.parametrize("path, extra, fragment", REFUSED)
+def test_fields_that_would_change_the_output_are_refused_not_ignored(url, path, extra, fragment):
+    base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": CHAT}
+    response = httpx.post(url + path, timeout=60, json={"model": MODEL, "max_tokens": 2, **base, **extra})
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_every_refused_field_has_a_test():
+    tested = {name for _, extra, _ in REFUSED for name in extra}
+    assert set(REFUSED_FIELDS) <= tested
+
+
+def test_fields_that_cannot_change_the_output_are_accepted(url):
+    extra = {"user": "u1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto", "a_future_field": 1,
+             "return_tokens_as_token_ids": False, "function_call": "none"}  # refused fields at their no-op values
+    response = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, **extra})
+    plain = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
