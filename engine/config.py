@@ -43,6 +43,8 @@ class EngineConfig:
     host, where that cannot change what is generated (see ``engine.async_scheduling``).
     ``num_scheduler_steps`` > 1 runs that many decode steps in one dispatch, sampling on the
     device, whenever a step would only decode (see ``engine.multi_step``).
+    ``generation_config``: "auto" takes the sampling defaults of the checkpoint's
+    ``generation_config.json`` (``LLMEngine.default_sampling``; vLLM's), "vllm" ignores them.
     """
 
     model: str | None = None
@@ -65,6 +67,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
+    generation_config: str = "auto"
 
     def __post_init__(self):
         for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
@@ -104,6 +107,8 @@ class EngineConfig:
             (isinstance(self.async_scheduling, bool), "async_scheduling", "True or False", self.async_scheduling),
             (_at_least(self.num_scheduler_steps, 1), "num_scheduler_steps", "an integer >= 1 (1: a step per dispatch)",
              self.num_scheduler_steps),
+            (self.generation_config in ("auto", "vllm"), "generation_config",
+             "'auto' (the checkpoint's sampling defaults) or 'vllm' (SamplingParams' own)", self.generation_config),
         ]
         for ok, field, allowed, value in checks:
             if not ok:

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 
+import models
 from engine import async_scheduling, beam_search, input_checks, multi_step, structured_output
 from engine.config import EngineConfig
 from engine.core import scheduler
@@ -93,6 +94,7 @@ class LLMEngine:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + (() if tokenizer_eos is None else (tokenizer_eos,))))
+        self.default_sampling = models.sampling_defaults(config.model) if config.generation_config == "auto" else {}
         self.grammars = None if self.tokenizer is None else structured_output.Grammars(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         log.info("engine ready in %.1f s (warm-up %.1f s): %d KV tokens in %d blocks, sized by %s",
@@ -136,6 +138,7 @@ class LLMEngine:
         on an unknown token."""
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if isinstance(params, SamplingParams):
+            params = params.snapshot()  # the caller may change theirs later (vLLM's are mutable)
             token_ids = params.truncate(token_ids)
         self.check_prompt(token_ids, request_id)
         self.check_params(params, request_id)

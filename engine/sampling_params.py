@@ -79,7 +79,7 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SamplingParams:
     """How to generate for one request. Invalid values raise ``ValueError`` naming the field.
 
@@ -106,6 +106,10 @@ class SamplingParams:
     tokens generated so far end with the ones before it. detokenize: False leaves the text
     empty and log-probabilities without decoded tokens (token ids only; no stop strings).
     output_kind: which outputs the engine's steps return (``RequestOutputKind``).
+
+    Fields can be set after construction, as in vLLM (``params.max_tokens = 32``); they are
+    checked again when a request takes them, and the engine keeps its own :meth:`snapshot`, so a
+    change made later never reaches a running request.
     guided_decoding: a constraint every completion follows (``GuidedDecodingParams``: a JSON
     schema, a regex, a choice or a grammar; vLLM's).
     """
@@ -172,9 +176,23 @@ class SamplingParams:
         return token_ids[-self.truncate_prompt_tokens:] if self.truncate_prompt_tokens else token_ids
 
     def clone(self) -> "SamplingParams":
-        """A copy (as vLLM's ``clone``); to change a field, use ``dataclasses.replace``: the
-        parameters are frozen."""
+        """A copy (as vLLM's ``clone``), checked again."""
         return dataclasses.replace(self)
+
+    def snapshot(self) -> "SamplingParams":
+        """A checked copy that cannot be changed: what the engine keeps of a request's
+        parameters. Raises ``ValueError`` naming a field set to a bad value since construction."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "_fixed", True)
+        return copy
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_fixed", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name}: these are a running request's parameters; change a clone() instead")
+        super().__setattr__(name, value)
+        for derived in ("logit_bias_arrays", "allowed_array"):  # built from the old values
+            self.__dict__.pop(derived, None)
 
     def bad_word_ids(self, tokenizer) -> tuple[tuple[int, ...], ...]:
         """Each of ``bad_words`` as ``tokenizer``'s token ids, as vLLM reads them: the word

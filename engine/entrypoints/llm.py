@@ -61,7 +61,10 @@ class LLM:
     dispatch a decode step before the previous one's tokens reach the host, where that cannot
     change the output (see ``engine.async_scheduling``). num_scheduler_steps: decode steps per
     dispatch when a step only decodes, sampled on the device (vLLM's multi-step scheduling; the
-    same outputs as 1, see ``engine.multi_step``).
+    same outputs as 1, see ``engine.multi_step``). generation_config: "auto" (vLLM's default)
+    takes the sampling defaults of the checkpoint's ``generation_config.json``
+    (:meth:`get_default_sampling_params`, what ``generate`` and ``chat`` use without
+    parameters); "vllm" ignores them.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -72,7 +75,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = True, num_scheduler_steps: int = 1):
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1, generation_config: str = "auto"):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
@@ -81,12 +84,23 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-            num_scheduler_steps=num_scheduler_steps)
+            num_scheduler_steps=num_scheduler_steps, generation_config=generation_config)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it; also ``engine``)."""
+        return self.engine
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's sampling defaults (vLLM's): temperature, top_p,
+        top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) from its
+        ``generation_config.json`` when ``generation_config`` is "auto"; the rest SamplingParams' own."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -98,7 +112,8 @@ class LLM:
         with ``error`` set and what it generated; the others are unaffected.
         """
         prompts = _as_list(prompts)
-        params = _params_for(prompts, sampling_params or SamplingParams(), SamplingParams, "LLM.beam_search")
+        params = _params_for(prompts, sampling_params or self.get_default_sampling_params(), SamplingParams,
+                             "LLM.beam_search")
         return self._run_engine([(prompt, p) for prompt, p in zip(prompts, _final_only(params))], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

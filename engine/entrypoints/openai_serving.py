@@ -23,9 +23,12 @@ class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], on_finished=None,
-                 max_new_tokens: int | None = None):
+                 defaults: dict | None = None):
         self.engine = engine
-        self.max_new_tokens = max_new_tokens
+        # Sampling defaults for fields a request leaves out (the model's generation config);
+        # their max_tokens caps every request's, as vLLM's max_new_tokens does.
+        self.defaults = dict(engine.engine.default_sampling if defaults is None else defaults)
+        self.max_new_tokens = self.defaults.pop("max_tokens", None)
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.model_names = model_names
@@ -57,7 +60,7 @@ class OpenAIServing:
         """The request's ``SamplingParams`` (``BeamSearchParams`` with ``use_beam_search``); a 400
         naming the field for a bad value."""
         try:
-            params = request.engine_params(**kwargs)
+            params = request.engine_params(**kwargs, defaults=self.defaults)
             self.engine.engine.check_params(params)
         except (ValueError, InvalidRequestError) as error:
             raise RequestError(str(error)) from None

@@ -152,12 +152,12 @@ class _Sampling(_Request):
         except (TypeError, ValueError) as error:
             raise ValueError(f"{name}: {error}") from None
 
-    def engine_params(self, *, max_tokens: int, logprobs: int | None,
-                      best_of: int | None = None) -> SamplingParams | BeamSearchParams:
+    def engine_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None,
+                      defaults: dict | None = None) -> SamplingParams | BeamSearchParams:
         """What the engine runs: ``sampling_params``, or with vLLM's ``use_beam_search`` a beam
         search keeping the ``n`` best beams. Raises ValueError naming a bad field."""
         if not self.use_beam_search:
-            return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of)
+            return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, defaults=defaults)
         refused = [name for name, unset in _NOT_FOR_BEAMS.items() if getattr(self, name, None) not in unset]
         refused += ["a constraint on the output (structured outputs)"] if self.guided_decoding() else []
         if refused:
@@ -166,13 +166,20 @@ class _Sampling(_Request):
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
                                 ignore_eos=self.ignore_eos)
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
-        """Our ``SamplingParams``; raises ValueError naming a bad field."""
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """Our ``SamplingParams``; ``defaults`` (the model's generation config, as
+        ``SamplingParams`` fields) fill the sampling fields the request leaves out, as in vLLM.
+        Raises ValueError naming a bad field."""
+        def given(name: str, default):
+            value = getattr(self, name) if name in self.model_fields_set else None
+            return value if value is not None else (defaults or {}).get(name, default)
+
         return SamplingParams(
-            n=self.n, best_of=best_of, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
+            n=self.n, best_of=best_of, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0), min_p=given("min_p", 0.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed,
+            repetition_penalty=given("repetition_penalty", 1.0), seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,

@@ -28,9 +28,12 @@ from engine.entrypoints.metrics import Metrics
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import RequestError, error_body
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.worker import kv_cache_size
 
 log = logging.getLogger("engine.serve")
+# The generation-config keys vLLM reads as sampling defaults.
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -69,12 +72,17 @@ class BodyLimit:
 
 
 def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
-               max_body_bytes: int = 4 * 2**20, max_new_tokens: int | None = None) -> FastAPI:
+               max_body_bytes: int = 4 * 2**20, generation_overrides: dict | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_names`` (the first is the
-    default); ``max_new_tokens`` caps every request's ``max_tokens`` and is the default of
-    those that send none (vLLM's ``max_new_tokens`` in ``--override-generation-config``)."""
+    default). Requests take the model's sampling defaults (``LLMEngine.default_sampling``)
+    with ``generation_overrides`` (``--override-generation-config``'s, by generation-config
+    names) over them, for the fields they leave out; ``max_new_tokens`` caps every request's
+    ``max_tokens`` and is the default of those that send none (else: up to the context)."""
     metrics = Metrics(model_names[0], block_size=engine.engine.cache.spec.block_size)
-    serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished, max_new_tokens=max_new_tokens)
+    overrides = {("max_tokens" if key == "max_new_tokens" else key): value
+                 for key, value in (generation_overrides or {}).items()}
+    serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished,
+                            defaults={**engine.engine.default_sampling, **overrides})
     app = FastAPI(title="pallas-paged", version=routes.version_of_package(), docs_url=None, redoc_url=None)
 
     async def authorized(request: Request):
@@ -171,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-scheduler-steps", type=int, default=1,
         help="decode steps per dispatch when a step only decodes, sampled on the device (same output; "
              "fewer host round trips, new requests wait up to that many steps)")
+    add("--generation-config", choices=["auto", "vllm"], default="auto",
+        help="auto: the model's generation_config.json gives the sampling defaults; vllm: ignore it")
     add("--override-generation-config", type=_generation_config, default={}, metavar="JSON",
-        help='vLLM\'s, for max_new_tokens only: \'{"max_new_tokens": N}\' caps every request\'s max_tokens at N '
-             "and is the default of requests that send none (else: up to the context, as in vLLM)")
+        help="sampling defaults over the model's, e.g. '{\"temperature\": 0.7, \"max_new_tokens\": 256}' "
+             f"(keys: {', '.join(GENERATION_KEYS)}); max_new_tokens also caps every request's max_tokens")
     add("--log-level", default="info")
     return parser
 
@@ -184,12 +194,14 @@ def _generation_config(text: str) -> dict:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(config, dict) or set(config) - {"max_new_tokens"}:
-        raise argparse.ArgumentTypeError("this server takes only max_new_tokens from it, as "
-                                         '\'{"max_new_tokens": N}\'; sampling defaults are sent per request')
-    value = config.get("max_new_tokens")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise argparse.ArgumentTypeError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+    if not isinstance(config, dict) or set(config) - set(GENERATION_KEYS):
+        unknown = sorted(set(config) - set(GENERATION_KEYS)) if isinstance(config, dict) else config
+        raise argparse.ArgumentTypeError(f"takes an object with keys among {', '.join(GENERATION_KEYS)}; "
+                                         f"got {unknown}")
+    try:  # checked as the parameters they become
+        SamplingParams(**{("max_tokens" if key == "max_new_tokens" else key): value for key, value in config.items()})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("SamplingParams.max_tokens", "max_new_tokens")) from None
     return config
 
 
@@ -202,7 +214,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-        num_scheduler_steps=args.num_scheduler_steps)
+        num_scheduler_steps=args.num_scheduler_steps, generation_config=args.generation_config)
 
 
 async def _serve(server: uvicorn.Server, ready_line: str) -> None:
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                     max_new_tokens=args.override_generation_config.get("max_new_tokens"))
+                     generation_overrides=args.override_generation_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     ready = (f"ready: serving {names[0]} at http://{args.host}:{args.port}/v1 with "
              f"{engine.engine.kv_capacity_tokens} KV-cache tokens (sized by {engine.engine.kv_cache_size.reason}; "

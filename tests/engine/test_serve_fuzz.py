@@ -100,7 +100,8 @@ def test_max_new_tokens_is_the_default_and_the_cap_of_max_tokens(url):
 
 
 @pytest.mark.parametrize("value, fragment", [
-    ('{"temperature": 0.5}', "only max_new_tokens"), ('{"max_new_tokens": 0}', "integer >= 1"), ("{", "not JSON")])
+    ('{"seed": 5}', "keys among temperature"), ('{"max_new_tokens": 0}', "max_new_tokens must be"),
+    ('{"temperature": -1}', "temperature must be a number >= 0"), ("{", "not JSON")])
 def test_override_generation_config_refuses_what_it_cannot_honour(value, fragment, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--override-generation-config", value])
