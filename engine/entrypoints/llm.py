@@ -117,31 +117,40 @@ class LLM:
         return self._run_engine([(prompt, p) for prompt, p in zip(prompts, _final_only(params))], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts; content a
         string or OpenAI text parts, joined by newlines) or to a list of them, through the
-        tokenizer's chat template. ``continue_final_message`` leaves the last (assistant)
-        message open for the model to continue; it needs ``add_generation_prompt=False``."""
+        tokenizer's chat template, or ``chat_template`` with ``chat_template_kwargs`` (vLLM's).
+        ``continue_final_message`` leaves the last (assistant) message open for the model to
+        continue; it needs ``add_generation_prompt=False``. ``tools`` are refused: this engine
+        does no tool calling."""
+        if tools:
+            raise ValueError("tools are not supported: this engine does no tool calling; leave tools out")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(conversation, add_generation_prompt, continue_final_message)
-                   for conversation in conversations]
+        prompts = [self.chat_prompt(conversation, add_generation_prompt, continue_final_message, chat_template,
+                                    chat_template_kwargs) for conversation in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         tokenizer = self.engine.tokenizer  # the rendered conversation as text, as vLLM reports it
         return [dataclasses.replace(out, prompt=tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False))
                 for out in outputs]
 
-    def chat_prompt(self, conversation, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
+    def chat_prompt(self, conversation, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (or ``chat_template``)."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        if tokenizer is None or (tokenizer.chat_template is None and chat_template is None):
+            raise InvalidRequestError("this model has no chat template; pass chat_template, or use generate() "
+                                      "with a plain prompt")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversation = [{**message, "content": text_content(message.get("content"))} for message in conversation]
         try:
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                continue_final_message=continue_final_message, tokenize=True)
+            ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, tokenize=True,
+                                                **(chat_template_kwargs or {}))
         except jinja2.TemplateError as error:  # e.g. a message without a role
             raise ValueError(f"the chat template cannot render this conversation: {error}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -55,8 +55,8 @@ _logged_fields: set[str] = set()
 class _Request(BaseModel):
     """A request body. A field sent as ``null`` takes its default (OpenAI's clients may send
     every optional field), except ``max_tokens``, where null means "up to the context", as in
-    vLLM. A field in ``REFUSED_FIELDS`` is a 400 saying why; any other unknown field cannot
-    change the output here, and is accepted and logged once (as vLLM logs them)."""
+    vLLM. A field in ``REFUSED_FIELDS`` is a 400 saying why; any other field this server does not
+    know (``user``-like metadata, or one newer than it) is accepted and logged once, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -71,8 +71,7 @@ class _Request(BaseModel):
                 raise ValueError(f"{name} is not supported ({why}); leave it out")
             if name not in cls.model_fields and name not in REFUSED_FIELDS and name not in _logged_fields:
                 _logged_fields.add(name)
-                log.info("request field %r is accepted and ignored: it does not change what this server returns",
-                         name)
+                log.warning("request field %r is not one this server knows: accepted and ignored", name)
         return {key: value for key, value in data.items() if value is not None or key == "max_tokens"}
 
 

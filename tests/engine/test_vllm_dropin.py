@@ -68,3 +68,15 @@ def test_the_server_fills_left_out_fields_from_the_generation_config():
     request = ChatRequest(messages=[{"role": "user", "content": "hi"}], temperature=1.0)
     params = request.sampling_params(max_tokens=4, logprobs=None, defaults=defaults)
     assert (params.temperature, params.top_k, params.repetition_penalty, params.top_p) == (1.0, 5, 1.2, 1.0)
+
+
+@pytest.mark.slow
+def test_chat_takes_vllms_template_arguments_and_refuses_tools():
+    llm = LLM(max_model_len=256, max_num_seqs=2, warmup=False)
+    messages = [{"role": "user", "content": " how are you?"}]
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"greeting": "Hello,"}, add_generation_prompt=False)[0]
+    assert out.prompt == "Hello, how are you?"
+    with pytest.raises(ValueError, match="tools are not supported"):
+        llm.chat(messages, tools=[{"type": "function", "function": {"name": "f"}}])
