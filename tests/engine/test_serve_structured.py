@@ -12,8 +12,6 @@ import openai
 import pydantic
 import pytest
 
-from tests.engine.server import SERVER_ARGS, running_server
-
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,14 +23,13 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_server(*SERVER_ARGS) as base:
-        yield base
+def url(served_url):
+    return served_url
 
 
 @pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused")
+def client(served_client):
+    return served_client
 
 
 def ask(text: str) -> list[dict]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.entrypoints.protocol import REFUSED_FIELDS
-from tests.engine.server import SERVER_ARGS, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -16,14 +14,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_server(*SERVER_ARGS) as base:
-        yield base
+def url(served_url):
+    return served_url
 
 
 @pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused")
+def client(served_client):
+    return served_client
 
 
 def test_prompt_logprobs_are_served_as_llm_generate_computes_them(client):
