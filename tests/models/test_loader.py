@@ -156,8 +156,9 @@ def test_default_model_is_the_packaged_gguf():
 
 
 def test_unknown_dtype(tmp_path):
-    with pytest.raises(ModelLoadError, match="dtype 'float16' is not supported; choose one of float32, bfloat16"):
-        models.load_model(tmp_path, dtype="float16")
+    with pytest.raises(ModelLoadError, match="dtype 'float8' is not supported; choose one of float32, bfloat16, "
+                                             "float16"):
+        models.load_model(tmp_path, dtype="float8")
 
 
 def test_opt_tensors_named_without_the_model_prefix(tmp_path):
