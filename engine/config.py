@@ -9,7 +9,10 @@ from engine.core.block_manager import RESERVATIONS, BlockManagerConfig
 from engine.core.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from models import ModelConfig
 
-DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+# vLLM's dtype names → the weights' dtype. float16 runs where the platform computes it (a GPU).
+DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}
+FLOAT16_PLATFORMS = ("gpu", "cuda", "rocm")
 _GIB = 2**30
 
 
@@ -45,6 +48,13 @@ class EngineConfig:
     device, whenever a step would only decode (see ``engine.multi_step``).
     ``generation_config``: "auto" takes the sampling defaults of the checkpoint's
     ``generation_config.json`` (``LLMEngine.default_sampling``; vLLM's), "vllm" ignores them.
+    ``tokenizer``: another tokenizer (directory, hub ID or GGUF) than the model's.
+    ``trust_remote_code``: accepted for vLLM's scripts; this engine runs no remote code either way,
+    and a model that would need it is refused naming why. ``enforce_eager``: vLLM's switch
+    off CUDA graphs; here it skips compiling every step shape at start (as ``warmup=False``),
+    JAX always runs compiled programs. ``disable_log_stats``: no throughput and cache log line
+    every ``log_stats_interval`` seconds. ``max_logprobs``: the most log-probabilities a request
+    may ask for, per token and per prompt token (vLLM's 20).
     """
 
     model: str | None = None
@@ -68,10 +78,16 @@ class EngineConfig:
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
     generation_config: str = "auto"
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    disable_log_stats: bool = True
+    log_stats_interval: float = 10.0
+    max_logprobs: int = 20
 
     def __post_init__(self):
         for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                      "max_model_len", "seed", "tensor_parallel_size", "num_scheduler_steps"):
+                      "max_model_len", "seed", "tensor_parallel_size", "num_scheduler_steps", "max_logprobs"):
             value = getattr(self, field)  # NumPy integers are integers too
             if _integer(value) and type(value) is not int:
                 object.__setattr__(self, field, int(value))
@@ -107,6 +123,14 @@ class EngineConfig:
             (isinstance(self.async_scheduling, bool), "async_scheduling", "True or False", self.async_scheduling),
             (_at_least(self.num_scheduler_steps, 1), "num_scheduler_steps", "an integer >= 1 (1: a step per dispatch)",
              self.num_scheduler_steps),
+            (self.tokenizer is None or isinstance(self.tokenizer, str), "tokenizer",
+             "None (the model's) or a directory, hub ID or .gguf file", self.tokenizer),
+            (isinstance(self.trust_remote_code, bool), "trust_remote_code", "True or False", self.trust_remote_code),
+            (isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager),
+            (isinstance(self.disable_log_stats, bool), "disable_log_stats", "True or False", self.disable_log_stats),
+            (_number(self.log_stats_interval) and self.log_stats_interval >= 0, "log_stats_interval",
+             "a number of seconds >= 0", self.log_stats_interval),
+            (_at_least(self.max_logprobs, 0), "max_logprobs", "an integer >= 0", self.max_logprobs),
             (self.generation_config in ("auto", "vllm"), "generation_config",
              "'auto' (the checkpoint's sampling defaults) or 'vllm' (SamplingParams' own)", self.generation_config),
         ]
@@ -125,9 +149,22 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     @property
+    def compiles_at_start(self) -> bool:
+        """``warmup``, unless ``enforce_eager`` asks to skip it."""
+        return self.warmup and not self.enforce_eager
+
+    def check_platform(self, platform: str) -> None:
+        """Refuse what ``platform`` (``jax.default_backend()``) cannot compute: float16 arithmetic
+        runs on GPUs only (XLA:CPU emulates it, TPUs have none)."""
+        for field, value in (("dtype", self.param_dtype), ("kv_cache_dtype", self.cache_dtype)):
+            if value == "float16" and platform not in FLOAT16_PLATFORMS:
+                raise ValueError(f"{field} float16 is not computed natively on {platform}; use 'bfloat16' (the "
+                                 f"same memory) or 'float32'")
+
+    @property
     def cache_dtype(self) -> str:
         """"auto" is the weights' dtype."""
-        return self.param_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return self.param_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
     @property
     def batched_tokens(self) -> int:

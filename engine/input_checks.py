@@ -24,11 +24,17 @@ def check_prompt(token_ids: list[int], request_id: str = "", *, max_model_len: i
 
 
 def check_params(params: SamplingParams | BeamSearchParams, request_id: str = "", *, max_num_seqs: int,
-                 vocab_size: int, tokenizer, grammars: structured_output.Grammars | None = None) -> None:
+                 vocab_size: int, tokenizer, grammars: structured_output.Grammars | None = None,
+                 max_logprobs: int = 20) -> None:
     """Raise ``InvalidRequestError`` for parameters this engine cannot run: more sequences
-    than ``max_num_seqs``, ``bad_words`` or a constraint without a tokenizer (``grammars``,
-    the engine's compiler of constraints), a constraint that does not compile, tokens the
-    model does not have."""
+    than ``max_num_seqs``, more log-probabilities than ``max_logprobs``, ``bad_words`` or a
+    constraint without a tokenizer (``grammars``, the engine's compiler of constraints), a
+    constraint that does not compile, tokens the model does not have."""
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field, None)
+        if asked is not None and asked > max_logprobs:
+            raise InvalidRequestError(f"{_who(request_id)}{field}={asked} is more than max_logprobs={max_logprobs}; "
+                                      f"ask for fewer, or start the engine with a larger max_logprobs")
     width = params.beam_width if isinstance(params, BeamSearchParams) else params.num_candidates
     if width > max_num_seqs:
         field = ("beam_width (n with use_beam_search)" if isinstance(params, BeamSearchParams)

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 
 import jax
 import numpy as np
 
 import models
-from engine import async_scheduling, beam_search, input_checks, multi_step, structured_output
+from engine import async_scheduling, input_checks, multi_step, stats_logger, structured_output
 from engine.config import EngineConfig
 from engine.core import scheduler
 from engine.core.scheduler import InvalidRequestError
+from engine.inputs import PromptType, prompt_input
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request_state import RequestState, SeqProgress
+from engine.request_state import RequestState
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.worker import huge_pages, kv_cache_size, model_loader, sampling_rows, tensor_parallel
 from engine.worker.cache_engine import CacheEngine, kv_cache_spec
@@ -49,10 +51,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.monotonic()
         model_loader.use_compilation_cache()
+        config.check_platform(jax.default_backend())
         self.config = config
+        _seed_global_generators(config.seed)
         self._model = model_loader.load_shared(config.model, config.param_dtype,
                                                tensor_parallel_size=config.tensor_parallel_size)
         self.model_config, params, self.tokenizer = self._model.loaded
+        if config.tokenizer is not None:
+            self.tokenizer = models.load_tokenizer(config.tokenizer)
         tensor_parallel.check_divisible(self.model_config, config.tensor_parallel_size)
         mesh = tensor_parallel.make_mesh(config.tensor_parallel_size)
         params = tensor_parallel.place_params(params, mesh)
@@ -74,7 +80,7 @@ class LLMEngine:
         self._sampler_sizes = frozenset(self.runner.logits_sizes())
         # Sampler programs left for idle time (:meth:`warm_up_when_idle`), smallest batch first.
         self._idle_warm_ups: list[int] = []
-        if config.warmup:
+        if config.compiles_at_start:
             self.runner.warm_up(self.cache.kv_caches, config.num_scheduler_steps if mesh is None else 1)
             if mesh is None:  # under a mesh the logits carry its sharding: compiled on first use
                 sampling_rows.warm_up(self.model_config.vocab_size, self._sampler_sizes)
@@ -85,6 +91,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
         self._output_processor = OutputProcessor(self.tokenizer, self.counters)
+        self._stats_logger = None if config.disable_log_stats else stats_logger.StatsLogger(config.log_stats_interval)
         self._lookahead: async_scheduling.Lookahead | None = None
         # Neither under a mesh (untested there).
         self._num_steps = config.num_scheduler_steps if mesh is None else 1
@@ -131,12 +138,13 @@ class LLMEngine:
             raise InvalidRequestError("this model has no tokenizer; pass prompt token ids instead of text")
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                     *, expected_output_len: int | None = None) -> None:
-        """Queue a request. Raises ``InvalidRequestError`` (nothing queued) for a prompt that
-        is empty, too long for ``max_model_len``, or holds unknown token ids, or a logit bias
-        on an unknown token."""
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """Queue a request (``prompt``: text, token ids, or a :mod:`engine.inputs` dict). Raises
+        ``InvalidRequestError`` (nothing queued) for a prompt that is empty, too long for
+        ``max_model_len``, or holds unknown token ids, or a logit bias on an unknown token."""
+        prompt = prompt_input(prompt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         if isinstance(params, SamplingParams):
             params = params.snapshot()  # the caller may change theirs later (vLLM's are mutable)
             token_ids = params.truncate(token_ids)
@@ -155,19 +163,10 @@ class LLMEngine:
         group = scheduler.find_group(self.state, request_id)
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))
-        request = RequestState(request_id, prompt if isinstance(prompt, str) else None, tuple(token_ids), params,
-                               seed=seed, max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
-                               bad_word_ids=bad_word_ids)
-        logprob = 0.0 if request.tracks_logprob else None
-        guided = getattr(params, "guided_decoding", None)  # each sequence follows its own copy
-        request.seqs = {seq.seq_id: SeqProgress(i, cumulative_logprob=logprob,
-                                                matcher=None if guided is None else self.grammars.matcher(guided))
-                        for i, seq in enumerate(group.seqs)}
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
-        if isinstance(params, BeamSearchParams):
-            request.beams = beam_search.start(params.beam_width)
-            request.beam_seq_ids = [seq.seq_id for seq in group.seqs]
+        request = RequestState.admitted(request_id, prompt, tuple(token_ids), params, seed=seed,
+                                        max_tokens=max_tokens, eos_token_ids=tuple(self.eos_token_ids),
+                                        bad_word_ids=bad_word_ids, seq_ids=[seq.seq_id for seq in group.seqs],
+                                        grammars=self.grammars)
         self.requests[request_id] = request
 
     def check_prompt(self, token_ids: list[int], request_id: str = "") -> None:
@@ -181,7 +180,7 @@ class LLMEngine:
         tokens the model does not have."""
         input_checks.check_params(params, request_id, max_num_seqs=self.config.max_num_seqs,
                                   vocab_size=self.model_config.vocab_size, tokenizer=self.tokenizer,
-                                  grammars=self.grammars)
+                                  grammars=self.grammars, max_logprobs=self.config.max_logprobs)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free every block it holds."""
@@ -268,6 +267,8 @@ class LLMEngine:
             self._recover(plan, error, every_request=not blocks_moved)
             raise
         self.counters.steps += 1
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(self.counters, self.stats())
         return self._collect(touched)
 
     def _plan(self, ahead: async_scheduling.Lookahead | None, num_steps: int
@@ -315,6 +316,9 @@ class LLMEngine:
         logits_tokens, rows, prompt_rows = sampling_rows.logits_plan(works, self.requests)
         argmax_only = not prompt_rows and sampling_rows.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
+        for work in works:
+            if work.is_prefill:
+                self.requests[work.request_id].note_computed_prefix(work.start)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
         self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
         if prompt_rows:
@@ -387,3 +391,11 @@ class LLMEngine:
 
     def stats(self) -> scheduler.SchedulerStats:
         return scheduler.stats(self.state)
+
+
+def _seed_global_generators(seed: int | None) -> None:
+    """Seed Python's and NumPy's global generators with the engine's ``seed``, as vLLM does at
+    start, so a script's own draws repeat too (each request has its own generator regardless)."""
+    if seed is not None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)

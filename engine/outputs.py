@@ -70,6 +70,8 @@ class RequestOutput:
     """Everything produced so far for one request.
 
     prompt_logprobs: one entry per prompt token (None for the first, which has no context).
+    num_cached_tokens: how many prompt tokens the prefix cache held when the request was first
+    scheduled (None before that).
     error: why the request was refused (e.g. prompt longer than max_model_len; then
     ``outputs`` are empty) or stopped part-way (its samples outgrew the KV cache; then
     ``outputs`` hold what they generated); ``finished`` is True either way.
@@ -83,6 +85,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     error: str | None = None
     metrics: "RequestMetrics | None" = None
+    num_cached_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

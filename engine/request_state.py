@@ -13,7 +13,7 @@ import time
 from engine import beam_search, structured_output
 from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, find_stop
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, token_logprobs
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -67,6 +67,37 @@ class RequestState:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when first scheduled
+    # RequestOutputKind.DELTA: per completion index, (tokens, characters, finished) returned so far
+    delivered: dict[int, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)
+    has_output: bool = False  # an output went out (DELTA returns prompt_logprobs with the first only)
+
+    @classmethod
+    def admitted(cls, request_id: str, prompt, token_ids: tuple[int, ...], params, *, seed: int, max_tokens: int,
+                 eos_token_ids: tuple[int, ...], bad_word_ids, seq_ids: list[int], grammars) -> RequestState:
+        """The record of a request the scheduler just queued with sequences ``seq_ids``: each
+        sequence with its progress (and its own copy of a structured-output constraint, from
+        ``grammars``), prompt log-probabilities and beams started where the params ask."""
+        request = cls(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seed=seed,
+                      max_tokens=max_tokens, eos_token_ids=eos_token_ids, bad_word_ids=bad_word_ids)
+        logprob = 0.0 if request.tracks_logprob else None
+        guided = getattr(params, "guided_decoding", None)
+        request.seqs = {seq_id: SeqProgress(i, cumulative_logprob=logprob,
+                                            matcher=None if guided is None else grammars.matcher(guided))
+                        for i, seq_id in enumerate(seq_ids)}
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if isinstance(params, BeamSearchParams):
+            request.beams = beam_search.start(params.beam_width)
+            request.beam_seq_ids = list(seq_ids)
+        return request
+
+    def note_computed_prefix(self, start: int) -> None:
+        """A prefill of this request starts at position ``start``: on its first, the tokens
+        before it came from the prefix cache (vLLM's ``num_cached_tokens``)."""
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = start
 
     @property
     def is_beam_search(self) -> bool:
@@ -198,16 +229,37 @@ class RequestState:
         finished = self.finished
         if finished and self.finished_time is None:
             self.finished_time = time.monotonic()
+        prompt_logprobs = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
+        completions = sorted(completions, key=lambda c: c.index)
+        if getattr(self.params, "output_kind", None) is RequestOutputKind.DELTA:
+            prompt_logprobs = None if self.has_output else prompt_logprobs
+            completions = self._deltas(completions)
+        self.has_output = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=tuple(sorted(completions, key=lambda c: c.index)),
+            outputs=tuple(completions),
             finished=finished,
-            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            prompt_logprobs=prompt_logprobs,
             error=self.error,
             metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
+            num_cached_tokens=self.num_cached_tokens,
         )
+
+    def _deltas(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
+        """``RequestOutputKind.DELTA``: of each completion, only what no earlier output returned
+        (text, tokens, their log-probabilities); completions with nothing new are left out."""
+        deltas = []
+        for c in completions:
+            tokens, chars, was_finished = self.delivered.get(c.index, (0, 0, False))
+            finished = c.finish_reason is not None
+            if len(c.token_ids) == tokens and len(c.text) == chars and finished == was_finished:
+                continue
+            self.delivered[c.index] = (len(c.token_ids), len(c.text), finished)
+            deltas.append(dataclasses.replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                                              logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
+        return deltas
 
     def _beam_completions(self, tokenizer) -> list[CompletionOutput]:
         """The best beams, best first; each token's log-probabilities entry holds what its beam

@@ -17,9 +17,10 @@ _GREEDY_EPSILON = 1e-5
 
 class RequestOutputKind(enum.Enum):
     """Which outputs ``LLMEngine.step`` returns for a request (vLLM's): after every step, all of
-    it so far (``CUMULATIVE``), or only its last (``FINAL_ONLY``, which ``LLM.generate`` asks
-    for: a step then builds no output for a request still running). vLLM's ``DELTA`` (only
-    what is new) is refused: the OpenAI server makes its deltas from cumulative outputs."""
+    it so far (``CUMULATIVE``), only what is new since its previous output (``DELTA``: text,
+    tokens and log-probabilities of the completions that changed; prompt log-probabilities in
+    the first output only), or only its last (``FINAL_ONLY``, which ``LLM.generate`` asks
+    for: a step then builds no output for a request still running)."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -295,8 +296,8 @@ def _check(p: SamplingParams) -> None:
              f"an integer in [0, max_tokens ({p.max_tokens})]", p.min_tokens)
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(p, field)
-        _require(value is None or (_integer(value) and 0 <= value <= 20), field, "None or an integer in [0, 20]",
-                 value)
+        _require(value is None or (_integer(value) and value >= 0), field,
+                 "None or an integer >= 0 (at most the engine's max_logprobs, 20 unless set)", value)
     _require(p.truncate_prompt_tokens is None or (_integer(p.truncate_prompt_tokens)
                                                   and p.truncate_prompt_tokens >= 1),
              "truncate_prompt_tokens", "None or an integer >= 1", p.truncate_prompt_tokens)
@@ -304,9 +305,10 @@ def _check(p: SamplingParams) -> None:
     _require(allowed is None or (isinstance(allowed, tuple) and allowed and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)), "allowed_token_ids",
         "None or a non-empty list of non-negative token ids", allowed)
-    _require(p.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY), "output_kind",
-             "RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not supported: take the new part of each "
-             "cumulative output)", p.output_kind)
+    _require(isinstance(p.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind", p.output_kind)
+    _require(p.output_kind is not RequestOutputKind.DELTA or p.num_candidates == p.n, "output_kind",
+             "CUMULATIVE or FINAL_ONLY when best_of > n (the n best are known only at the end, so they "
+             "cannot be streamed as deltas)", p.output_kind)
     _require(p.guided_decoding is None or isinstance(p.guided_decoding, GuidedDecodingParams), "guided_decoding",
              "None or a GuidedDecodingParams", p.guided_decoding)
     if p.greedy:

@@ -32,6 +32,11 @@ class EngineSnapshot:
     steps: int
     time: float
 
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineSnapshot:
+        counters = engine.counters
+        return cls(engine.stats(), counters.prompt_tokens, counters.generation_tokens, counters.steps, time.time())
+
 
 @dataclasses.dataclass(frozen=True)
 class _Add:
@@ -48,7 +53,8 @@ class _Abort:
 
 
 class AsyncLLMEngine:
-    """``async for output in engine.generate(prompt, params, request_id)`` while other requests run."""
+    """``async for output in engine.generate(prompt, sampling_params, request_id)`` while other
+    requests run (vLLM's ``AsyncLLMEngine``)."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -60,8 +66,11 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt, params, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params, request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time it changes, the last one finished.
+        ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
+        (:mod:`engine.inputs`); ``sampling_params``: ``SamplingParams`` (its ``output_kind``
+        chooses cumulative outputs, deltas or the final one only) or ``BeamSearchParams``.
 
         Raises what ``LLMEngine.add_request`` raises for a bad request (nothing is queued),
         and RuntimeError when the engine has stopped. Stopping the iteration early aborts the
@@ -70,7 +79,7 @@ class AsyncLLMEngine:
         if not self.is_healthy:
             raise RuntimeError("the engine has stopped" + (f" after an error: {self.error}" if self.error else ""))
         stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, prompt, params, stream, asyncio.get_running_loop()))
+        self._inbox.put(_Add(request_id, prompt, sampling_params, stream, asyncio.get_running_loop()))
         finished = False
         try:
             while not finished:
@@ -161,6 +170,4 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
 
     def _snapshot(self) -> EngineSnapshot:
-        counters = self.engine.counters
-        return EngineSnapshot(self.engine.stats(), counters.prompt_tokens, counters.generation_tokens,
-                              counters.steps, time.time())
+        return EngineSnapshot.of(self.engine)

@@ -12,16 +12,19 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.core.scheduler import InvalidRequestError
+from engine.entrypoints.async_engine import EngineSnapshot
+from engine.entrypoints.metrics import Metric, Metrics
 from engine.entrypoints.protocol import text_content
+from engine.inputs import PromptType, prompt_input
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams, final_only
+from models.loader import DEFAULT_MODEL
 
 # The paper's Orca baselines that size each reservation by the request's true output length.
 _ORACLE_RESERVATIONS = ("orca-pow2", "orca-oracle")
 
-# Text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}.
-Prompt = str | Sequence[int] | Mapping[str, object]
+Prompt = PromptType  # text, token ids, or vLLM's TextPrompt / TokensPrompt dicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,14 @@ class LLM:
     same outputs as 1, see ``engine.multi_step``). generation_config: "auto" (vLLM's default)
     takes the sampling defaults of the checkpoint's ``generation_config.json``
     (:meth:`get_default_sampling_params`, what ``generate`` and ``chat`` use without
-    parameters); "vllm" ignores them.
+    parameters); "vllm" ignores them. tokenizer: another tokenizer than the model's (a
+    directory, hub ID or .gguf file). trust_remote_code: accepted; no remote code runs either
+    way, and a model that needs it is refused saying so. enforce_eager: skip compiling the
+    step shapes at start (vLLM's switch off CUDA graphs; as warmup=False). disable_log_stats:
+    False logs throughput, queues and cache use every 10 s (vLLM's; off by default in ``LLM``).
+    max_logprobs: the most log-probabilities a request may ask for (20). dtype also takes
+    vLLM's "half"/"float16" (where the platform computes float16: a GPU) and "float".
+    ``seed`` also seeds Python's ``random`` and NumPy's global generator, as vLLM does.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -75,7 +85,9 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = True, num_scheduler_steps: int = 1, generation_config: str = "auto"):
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1, generation_config: str = "auto",
+                 tokenizer: str | None = None, trust_remote_code: bool = False, enforce_eager: bool = False,
+                 disable_log_stats: bool = True, max_logprobs: int = 20):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
@@ -84,9 +96,12 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-            num_scheduler_steps=num_scheduler_steps, generation_config=generation_config)
+            num_scheduler_steps=num_scheduler_steps, generation_config=generation_config, tokenizer=tokenizer,
+            trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, disable_log_stats=disable_log_stats,
+            max_logprobs=max_logprobs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._metrics = Metrics(model or DEFAULT_MODEL, block_size=config.block_size)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -171,6 +186,12 @@ class LLM:
         nothing, while requests are running."""
         return self.engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, as vLLM's ``LLM.get_metrics()`` returns them: the same
+        counters, gauges and histograms (vLLM's names) the server's ``/metrics`` serves, as
+        ``Counter``, ``Gauge`` and ``Histogram`` objects with ``name``, ``labels`` and values."""
+        return self._metrics.collect(EngineSnapshot.of(self.engine))
+
     def cache_stats(self) -> CacheStats:
         stats = self.engine.stats()
         blocks = stats.blocks
@@ -202,6 +223,7 @@ class LLM:
                     for output in engine.step():
                         if output.finished:
                             results[output.request_id] = output
+                            self._metrics.observe_finished(output)
                             bar.update(1)
                             elapsed = bar.format_dict["elapsed"] or 1e-9
                             bar.set_postfix_str(f"output {engine.counters.generation_tokens / elapsed:.1f} toks/s")
@@ -215,17 +237,7 @@ class LLM:
 def _as_list(prompts) -> list[str | list[int]]:
     """One prompt or many, as a list of texts and token-id lists."""
     single = isinstance(prompts, (str, Mapping)) or (len(prompts) > 0 and isinstance(prompts[0], numbers.Integral))
-    return [_text_or_ids(p) for p in ([prompts] if single else prompts)]
-
-
-def _text_or_ids(prompt) -> str | list[int]:
-    if isinstance(prompt, Mapping):
-        if "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]]
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
-    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+    return [prompt_input(p) for p in ([prompts] if single else prompts)]
 
 
 def _params_for(prompts, params, kind: type, other_method: str) -> list:

@@ -1,6 +1,10 @@
-"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged."""
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged; and the same
+metrics as Python objects (vLLM's ``LLM.get_metrics()`` types: ``Counter``, ``Gauge``,
+``Histogram``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import prometheus_client as prom
 
@@ -9,6 +13,34 @@ from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One metric of one label set (vLLM's ``vllm.v1.metrics.reader.Metric``)."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Counter(Metric):
+    value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gauge(Metric):
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Histogram(Metric):
+    """``buckets``: each upper bound (as Prometheus writes it, "+Inf" last) → observations up
+    to it, cumulative."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
 
 
 class Metrics:
@@ -88,3 +120,34 @@ class Metrics:
     def exposition(self, snapshot: EngineSnapshot) -> bytes:
         self.refresh(snapshot)
         return prom.generate_latest(self.registry)
+
+    def collect(self, snapshot: EngineSnapshot) -> list[Metric]:
+        """Every metric ``exposition`` serves, as objects: a Counter, Gauge or Histogram per
+        metric and label set (counters named without Prometheus' ``_total`` suffix, as vLLM's)."""
+        self.refresh(snapshot)
+        metrics: list[Metric] = []
+        for family in self.registry.collect():
+            if family.type == "histogram":
+                metrics += _histograms(family)
+            elif family.type in ("counter", "gauge"):
+                kind = Counter if family.type == "counter" else Gauge
+                metrics += [kind(family.name, dict(sample.labels),
+                                 int(sample.value) if kind is Counter else float(sample.value))
+                            for sample in family.samples if sample.name in (family.name, family.name + "_total")]
+        return metrics
+
+
+def _histograms(family) -> list[Histogram]:
+    """One Histogram per label set of a Prometheus histogram family."""
+    parts: dict[tuple, dict] = {}
+    for sample in family.samples:
+        labels = {k: v for k, v in sample.labels.items() if k != "le"}
+        part = parts.setdefault(tuple(sorted(labels.items())), {"labels": labels, "buckets": {}})
+        if sample.name.endswith("_bucket"):
+            part["buckets"][sample.labels["le"]] = int(sample.value)
+        elif sample.name.endswith("_count"):
+            part["count"] = int(sample.value)
+        elif sample.name.endswith("_sum"):
+            part["sum"] = float(sample.value)
+    return [Histogram(family.name, p["labels"], p.get("count", 0), p.get("sum", 0.0), p["buckets"])
+            for p in parts.values()]

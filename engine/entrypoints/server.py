@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import time
 
 import uvicorn
@@ -21,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.entrypoints import routes
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.metrics import Metrics
@@ -30,6 +31,7 @@ from engine.entrypoints.protocol import RequestError, error_body
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.worker import kv_cache_size
+from models import ModelLoadError
 
 log = logging.getLogger("engine.serve")
 # The generation-config keys vLLM reads as sampling defaults.
@@ -150,15 +152,20 @@ def _openapi(app: FastAPI) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    add("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as vLLM's 'vllm serve MODEL' "
+        "(or --model)")
+    add("--model", default=None, help="HF directory, .gguf file or Hugging Face hub ID, looked up in the local "
+        "cache first (default: SmolLM2-135M-Instruct)")
+    add("--tokenizer", default=None, help="another tokenizer than the model's (directory, hub ID or .gguf)")
+    add("--trust-remote-code", action="store_true", help="accepted; this engine runs no remote code either way")
     add("--served-model-name", nargs="+", default=None, help="names clients use (default: the model's)")
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
     add("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights (activations are float32)")
-    add("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="auto: the weights' dtype")
+    add("--dtype", default="auto", choices=sorted(DTYPES), help="weights (activations are float32); "
+        "half/float16 on a GPU only")
+    add("--kv-cache-dtype", default="auto", choices=sorted(DTYPES), help="auto: the weights' dtype")
     add("--block-size", type=int, default=16)
     add("--num-blocks", type=int, default=None, help="device KV blocks (default: from --kv-cache-memory)")
     add("--kv-cache-memory", type=int, default=None, help="bytes of device memory for the KV cache (default: "
@@ -179,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-scheduler-steps", type=int, default=1,
         help="decode steps per dispatch when a step only decodes, sampled on the device (same output; "
              "fewer host round trips, new requests wait up to that many steps)")
+    add("--enforce-eager", action="store_true", help="skip compiling every step shape at start (each "
+        "compiles when first needed); vLLM's switch off CUDA graphs")
+    add("--disable-log-stats", action="store_true", help="no throughput and cache log line every 10 s")
+    add("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs / prompt_logprobs a "
+        "request may ask for")
     add("--generation-config", choices=["auto", "vllm"], default="auto",
         help="auto: the model's generation_config.json gives the sampling defaults; vllm: ignore it")
     add("--override-generation-config", type=_generation_config, default={}, metavar="JSON",
@@ -207,14 +219,23 @@ def _generation_config(text: str) -> dict:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        model=model_name(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-        num_scheduler_steps=args.num_scheduler_steps, generation_config=args.generation_config)
+        num_scheduler_steps=args.num_scheduler_steps, generation_config=args.generation_config,
+        tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, enforce_eager=args.enforce_eager,
+        disable_log_stats=args.disable_log_stats, max_logprobs=args.max_logprobs)
+
+
+def model_name(args: argparse.Namespace) -> str | None:
+    """The model from ``MODEL`` or ``--model``; ValueError if both are given and differ."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give one")
+    return args.model_tag or args.model
 
 
 async def _serve(server: uvicorn.Server, ready_line: str) -> None:
@@ -235,8 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault(kv_cache_size.JAX_GPU_FRACTION, str(args.gpu_memory_utilization))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    try:
+        engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
+    except (ModelLoadError, ValueError) as error:  # what to change, in one line; no traceback
+        sys.exit(f"error: {error}")
+    names = args.served_model_name or [model_name(args) or DEFAULT_MODEL_NAME]
     app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                      generation_overrides=args.override_generation_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

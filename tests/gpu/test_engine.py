@@ -25,10 +25,10 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert stats.host_blocks_free == stats.host_blocks_total, stats
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2", "opt"])
 def test_greedy_batch_matches_hugging_face(name, dtype, tmp_path):
-    """HF in float32 on the CPU is the reference; bfloat16 weights must stay among its top-5
+    """HF in float32 on the CPU is the reference; bfloat16 and float16 weights must stay among its top-5
     where they part (see :func:`tests.engine.tiny.assert_same_or_close`)."""
     require_torch()
     llm, _ = tiny_llm(name, tmp_path, dtype=dtype)

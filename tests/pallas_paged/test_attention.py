@@ -95,6 +95,20 @@ def test_bfloat16(impl, op, heads):
         assert_close(actual, oracle(*args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+def test_float16_caches_in_the_gpu_kernels(op):
+    """float16 (``dtype="half"``, which the engine runs on GPUs): the Pallas kernels, interpreted,
+    against the oracle at bfloat16's tolerance (float16 rounds finer)."""
+    seqs = decode_seqs([1, 16, 500]) if op == "decode" else [(300, 300), (33, 1)]
+    s = make(seqs, q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=jnp.float16)
+    kernel, oracle = {"decode": (KERNELS["pallas"][0], reference.paged_attention),
+                      "ragged": (KERNELS["pallas"][1], reference.ragged_paged_attention)}[op]
+    args = s.decode_args if op == "decode" else s.ragged_args
+    actual = jax.jit(kernel)(*args)
+    assert actual.dtype == jnp.float16
+    assert_close(actual, oracle(*args), jnp.bfloat16)
+
+
 @IMPLS
 def test_decode_padding_rows_are_zero(impl):
     s = make(decode_seqs([40, 9]), q_heads=4, kv_heads=2, head_dim=64, block_size=16)
