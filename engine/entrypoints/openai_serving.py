@@ -44,12 +44,12 @@ class OpenAIServing:
                                "NotFoundError")
         return name or self.model_names[0]
 
-    def _token_ids(self, prompt, keep: int | None = None) -> list[int]:
+    def _token_ids(self, prompt, keep: int | None = None, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, only the last ``keep`` if given (``truncate_prompt_tokens``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send token ids")
-            return _last(self.tokenizer.encode(prompt), keep)
+            return _last(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), keep)
         try:
             self.engine.engine.check_prompt(_last(list(prompt), keep))
         except InvalidRequestError as error:
@@ -85,7 +85,8 @@ class OpenAIServing:
     def plan_completion(self, request: CompletionRequest):
         """(model name, [(token ids, SamplingParams)]) for every prompt of ``request``."""
         model = self.check_model(request.model)
-        prompts = [self._token_ids(p, request.truncate_prompt_tokens) for p in request.prompts()]
+        prompts = [self._token_ids(p, request.truncate_prompt_tokens, request.add_special_tokens)
+                   for p in request.prompts()]
         if not prompts or not all(prompts):
             raise RequestError("prompt must not be empty")
         if request.stream and (request.best_of or request.n) > request.n:
@@ -111,7 +112,7 @@ class OpenAIServing:
         choices = []
         for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
             for c in output.outputs:
-                text = (self._decode(ids) if request.echo else "") + c.text
+                text = (self._echoed(request, prompt_index, ids) if request.echo else "") + c.text
                 shown = c
                 if request.echo and request.logprobs is not None:  # the prompt's tokens come first
                     shown = self._with_prompt(c, ids, output)
@@ -139,7 +140,7 @@ class OpenAIServing:
                 key = (prompt_index, c.index)
                 first = key not in sent
                 progress = sent.setdefault(key, ChoiceProgress())
-                prefix = self._decode(plans[prompt_index][0]) if request.echo and first else ""
+                prefix = self._echoed(request, prompt_index, plans[prompt_index][0]) if request.echo and first else ""
                 delta = progress.delta(c)
                 if progress.done or not (prefix or delta.text or c.finish_reason):
                     continue
@@ -171,11 +172,14 @@ class OpenAIServing:
         reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
         if reserved:
             raise RequestError(f"chat_template_kwargs cannot set {reserved}; send them as request fields")
+        special = bool(request.add_special_tokens)  # on top of the template's (None in /tokenize: no)
         try:
-            return list(self.tokenizer.apply_chat_template(
+            rendered = self.tokenizer.apply_chat_template(
                 [m.as_template_input() for m in request.messages], chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, tokenize=True, return_dict=False, **extra))
+                continue_final_message=request.continue_final_message, tokenize=not special, return_dict=False,
+                **extra)
+            return self.tokenizer.encode(rendered, add_special_tokens=True) if special else list(rendered)
         except (ValueError, jinja2.TemplateError) as error:  # the template refuses these messages
             raise RequestError(f"the chat template cannot render these messages: {error}") from None
 
@@ -183,8 +187,10 @@ class OpenAIServing:
         model = self.check_model(request.model)
         ids = _last(self.chat_ids(request), request.truncate_prompt_tokens)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.stream and (request.best_of or request.n) > request.n:
+            raise RequestError("best_of cannot be larger than n when streaming")
         params = self._params(request, max_tokens=self._max_tokens(len(ids), request.requested_max_tokens()),
-                              logprobs=logprobs)
+                              logprobs=logprobs, best_of=request.best_of)
         return model, [(list(ids), params)]
 
     async def chat(self, request: ChatRequest) -> dict:
@@ -281,6 +287,12 @@ class OpenAIServing:
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _echoed(self, request: CompletionRequest, prompt_index: int, ids) -> str:
+        """The prompt as ``echo`` shows it: as sent when it was text (as vLLM; no BOS the
+        tokenizer added), else its tokens' text."""
+        prompt = request.prompts()[prompt_index]
+        return prompt if isinstance(prompt, str) and not request.truncate_prompt_tokens else self._decode(ids)
 
     def _token_text(self, token: int) -> str:
         return self._decode([token])

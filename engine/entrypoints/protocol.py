@@ -3,7 +3,6 @@ its error object and ids."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import uuid
@@ -11,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
+from engine.entrypoints import structured_fields
 from engine.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams
 
 log = logging.getLogger("engine.serve")
@@ -48,6 +48,16 @@ REFUSED_FIELDS = {
     "documents": ((None, []), "chat templates get the messages only"),
     "mm_processor_kwargs": ((None, {}), "this model reads text only"),
     "structural_tag": ((None,), "structural tags are not supported; use guided_json or guided_grammar"),
+    "priority": ((0,), "requests are scheduled first come, first served"),
+    "cache_salt": ((None,), "the prefix cache is not salted per request; start the server with "
+                   "--no-enable-prefix-caching to share nothing"),
+    "kv_transfer_params": ((None,), "disaggregated serving is not supported"),
+    "vllm_xargs": ((None, {}), "custom extensions are not supported"),
+    "reasoning_effort": ((None,), "chat templates get no reasoning effort; use chat_template_kwargs"),
+    "verbosity": ((None,), "chat templates get no verbosity; use chat_template_kwargs"),
+    "modalities": ((None, ["text"]), "this model answers in text only"),
+    "audio": ((None,), "this model answers in text only"),
+    "web_search_options": ((None,), "web search is not supported"),
 }
 _logged_fields: set[str] = set()
 
@@ -113,8 +123,9 @@ class _Sampling(_Request):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     bad_words: list[str] | None = None
     use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1)  # the n best of best_of samples (by cumulative logprob)
     length_penalty: float = 1.0
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     request_id: str | None = Field(default=None, min_length=1, max_length=200)  # the response's id: PREFIX-request_id
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict | None = None
@@ -129,27 +140,7 @@ class _Sampling(_Request):
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """The request's constraint, from whichever of its fields sets one (None if none does).
         Raises ValueError naming the fields when several do, or a field that is malformed."""
-        given = {name: value for name, value in [
-            ("response_format", _response_format(self.response_format)), ("guided_json", self.guided_json),
-            ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
-            ("guided_grammar", self.guided_grammar), ("structured_outputs", self.structured_outputs)]
-            if value is not None}
-        if len(given) > 1:
-            raise ValueError(f"{' and '.join(given)} each set a constraint on the output; send one of them")
-        if not given:
-            return None
-        name, value = next(iter(given.items()))
-        fields = value if name in ("response_format", "structured_outputs") else {name.removeprefix("guided_"): value}
-        if not isinstance(fields, dict):
-            raise ValueError(f"{name} must be an object, got {fields!r}")
-        known = {field.name for field in dataclasses.fields(GuidedDecodingParams)}
-        if set(fields) - known:
-            raise ValueError(f"{name} has unknown fields {sorted(set(fields) - known)}; it takes {sorted(known)}")
-        extra = {"whitespace_pattern": self.guided_whitespace_pattern, "backend": self.guided_decoding_backend}
-        try:
-            return GuidedDecodingParams(**{**{k: v for k, v in extra.items() if v is not None}, **fields})
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{name}: {error}") from None
+        return structured_fields.guided_decoding(self)
 
     def engine_params(self, *, max_tokens: int, logprobs: int | None, best_of: int | None = None,
                       defaults: dict | None = None) -> SamplingParams | BeamSearchParams:
@@ -188,22 +179,6 @@ class _Sampling(_Request):
             prompt_logprobs=self.prompt_logprobs)
 
 
-def _response_format(response_format: dict | None) -> dict | None:
-    """OpenAI's ``response_format`` as ``GuidedDecodingParams``' fields (None for text).
-    Raises ValueError for a type this server does not know or a schema that is missing."""
-    kind = (response_format or {}).get("type") or "text"
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return {"json": schema}
-    raise ValueError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
-
-
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as JSON keys) → {token id: bias}, each bias clamped to
     [-100, 100] as OpenAI documents and vLLM does (NaN is left for ``SamplingParams`` to refuse)."""
@@ -221,8 +196,8 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids, or lists of them."""
 
     prompt: str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
-    best_of: int | None = Field(default=None, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) around a text prompt
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=0)
     suffix: str | None = None
@@ -293,7 +268,7 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -302,6 +277,7 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict | None = None
     chat_template: str | None = None  # vLLM's: this request's template instead of the model's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
+    add_special_tokens: bool = False  # the tokenizer's BOS (and the like) on top of the template's
 
     @model_validator(mode="after")
     def _supported(self):
@@ -322,7 +298,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True  # with messages, as in a chat request
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -81,7 +81,7 @@ def tokenizer(serving: OpenAIServing, authorized: Callable) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send exactly one of prompt or messages")
         if body.prompt is not None:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             tokens = serving.chat_ids(body)
         strings = serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None

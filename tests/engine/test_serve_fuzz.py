@@ -8,14 +8,12 @@ prompts within the context) rather than by weakening the server."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import httpx
 import hypothesis
 import pytest
 import schemathesis
-from safetensors.numpy import save_file
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -23,33 +21,19 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-import models
 from engine.entrypoints.server import build_parser
-from tests.engine.server import running_server
-from tests.models.tiny_models import tiny_config, tiny_weights
+from tests.engine.conftest import TINY_MAX_NEW_TOKENS
 
 pytestmark = pytest.mark.slow
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4
-MAX_NEW_TOKENS = 6  # the server's cap
 EXAMPLES = 40  # per route, from a fixed seed
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_with_tokenizer")
-    tokenizer = models.load_model().tokenizer
-    config = tiny_config("llama_gqa_tied")
-    config.vocab_size, config.max_position_embeddings = len(tokenizer), 256
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.save_pretrained(directory)
-    save_file(tiny_weights(config), directory / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(directory)
-    with running_server("--model", str(directory), "--max-model-len", "256", "--max-num-seqs", "16",
-                        "--max-num-batched-tokens", "256", "--num-blocks", "64", "--swap-space", "0.05",
-                        "--override-generation-config", json.dumps({"max_new_tokens": MAX_NEW_TOKENS})) as base:
-        yield base
+def url(tiny_served_url):
+    return tiny_served_url
 
 
 def bounded(case) -> None:
@@ -96,7 +80,8 @@ def test_max_new_tokens_is_the_default_and_the_cap_of_max_tokens(url):
     for body in ({}, {"max_tokens": 50}, {"max_tokens": 3}):
         response = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Count to ten."}], "ignore_eos": True, **body}).json()
-        assert response["usage"]["completion_tokens"] == min(body.get("max_tokens", MAX_NEW_TOKENS), MAX_NEW_TOKENS)
+        cap = TINY_MAX_NEW_TOKENS
+        assert response["usage"]["completion_tokens"] == min(body.get("max_tokens", cap), cap)
 
 
 @pytest.mark.parametrize("value, fragment", [
