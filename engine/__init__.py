@@ -5,6 +5,7 @@
 """
 
 from engine.entrypoints.llm import LLM, CacheStats
+from engine.inputs import TextPrompt, TokensPrompt
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import (
                                     BeamSearchParams,
@@ -16,4 +17,4 @@ from engine.sampling_params import (
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CacheStats", "CompletionOutput",
            "GuidedDecodingParams", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "StructuredOutputsParams"]
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
