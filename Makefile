@@ -70,15 +70,19 @@ gpu-wheels: $(CURRENT_STAMP)
 	$(CURRENT_PY) -m tests.gpu.wheels .whl
 
 # Kernels against dense attention, JAX's paged op and cuDNN; the engine against Hugging Face
-# generate, random weights in real shapes. Writes benchmarks/results/gpu_*.md.
+# generate, random weights in real shapes. Writes benchmarks/results/gpu_*.md and copies the
+# tables into docs/gpu.md.
 bench-gpu:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_kernels
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_throughput
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.fill_docs
 
 serve: install
 	$(PY) -m engine.serve
 
 # Every benchmark at full size (long on a 2-core CPU); tables and plots in benchmarks/results/.
+# The last step copies each table into the docs pages (docs/benchmarks.md and the others);
+# the pages show the plots from benchmarks/results/ as they are.
 bench: install
 	$(PY) -m benchmarks.kernels
 	$(PY) -m benchmarks.throughput chat
@@ -89,9 +93,10 @@ bench: install
 	$(PY) -m benchmarks.serving
 	$(PY) -m benchmarks.structured_output
 	$(PY) -m benchmarks.tensor_parallel
-	$(PY) -m benchmarks.readme
+	$(PY) -m benchmarks.fill_docs
 
-# The same scripts at a small scale, to check they run (results/*_quick.*, not committed).
+# The same scripts at a small scale, to check they run (results/*_quick.*, not committed; the
+# docs are left alone).
 bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.startup --quick

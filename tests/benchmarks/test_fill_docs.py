@@ -1,0 +1,39 @@
+"""``make bench`` copies each results table into the docs pages between their markers."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from benchmarks import fill_docs
+
+
+def test_fill_replaces_written_tables_and_keeps_pending_ones(tmp_path):
+    (tmp_path / "chat.md").write_text("| a |\n|---|\n| 1 |\n")
+    text = ("intro\n<!-- results: chat -->\nold table\n<!-- /results -->\nmiddle\n"
+            "<!-- results: serving -->\n_Pending_\n<!-- /results -->\n")
+    filled = fill_docs.fill(text, tmp_path, source=lambda table: f"_from {table.name}_")
+    assert filled == ("intro\n<!-- results: chat -->\n\n| a |\n|---|\n| 1 |\n\n_from chat.md_\n\n<!-- /results -->\n"
+                      "middle\n<!-- results: serving -->\n_Pending_\n<!-- /results -->\n")
+    assert fill_docs.fill(filled, tmp_path, source=lambda table: f"_from {table.name}_") == filled  # idempotent
+
+
+def test_source_line_names_the_file_and_a_day(tmp_path):
+    table = tmp_path / "chat.md"  # outside git: the day it was written
+    table.write_text("| a |\n")
+    assert re.fullmatch(r"_Measured \d{4}-\d\d-\d\d; from `benchmarks/results/chat.md` \(`make bench` rewrites it\)._",
+                        fill_docs.source_line(table))
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_committed_tables_are_dated_by_their_commit():
+    table = fill_docs.RESULTS / "kernels.md"
+    git = subprocess.run(["git", "log", "-1", "--format=%cs", "--", table.name], cwd=table.parent,
+                         capture_output=True, text=True)
+    if git.returncode or not git.stdout.strip():
+        pytest.skip("not a git checkout")
+    if subprocess.run(["git", "status", "--porcelain", "--", table.name], cwd=table.parent,
+                      capture_output=True, text=True).stdout.strip():
+        pytest.skip("kernels.md has changed since its commit (make bench): dated by the file instead")
+    assert fill_docs.measured(table) == git.stdout.strip()
