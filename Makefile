@@ -57,7 +57,7 @@ test-accel:
 	$(ACCEL_VENV)/bin/python -m pip install --quiet -e ".[cuda,tpu]" pytest flatbuffers
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(ACCEL_VENV)/bin/python -m pytest -q -m accel -p no:cacheprovider tests/pallas_paged/test_accel.py
 
-# On a machine with a GPU, in an environment whose JAX has CUDA (see README, "On a GPU"):
+# On a machine with a GPU, in an environment whose JAX has CUDA (see docs/gpu.md):
 # the kernels compiled by Triton against the oracle, cache and swap ops, the engine against
 # Hugging Face, preemption, memory sizing and the server. Without a GPU it says so and passes
 # nothing. GPU_PYTHON: that environment's Python (default: the one on the PATH).
@@ -66,7 +66,7 @@ test-gpu:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m tests.gpu
 
 # The wheels a GPU machine without internet needs for the two targets above, into .whl/
-# (see tests/gpu/wheels.py and the README, "On a GPU").
+# (see tests/gpu/wheels.py and docs/gpu.md).
 gpu-wheels: $(CURRENT_STAMP)
 	$(CURRENT_PY) -m tests.gpu.wheels .whl
 

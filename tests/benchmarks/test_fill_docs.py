@@ -51,3 +51,22 @@ def test_the_docs_hold_every_committed_table_as_the_fill_step_writes_it():
     assert committed <= named, f"tables no page shows: {sorted(committed - named)}"
     for page, text in pages.items():
         assert undated(fill_docs.fill(text)) == undated(text), f"{page.name} is stale: python -m benchmarks.fill_docs"
+
+
+def test_the_readme_results_come_from_the_files_they_name():
+    """README's headline table is typed in: each number of its Result column must be in the
+    results file its row names, and the row's day the day that file was measured."""
+    readme = (fill_docs.DOCS.parent / "README.md").read_text()
+    table = re.search(r"<!-- headline results:.*?-->\n(.*?)<!-- /headline results -->", readme, re.DOTALL)
+    assert table, "README.md has no headline results table"
+    rows = [line.strip("|").split("|") for line in table.group(1).splitlines()[2:]]
+    assert rows
+    number = re.compile(r"\d+(?:\.\d+)?")
+    for measure, result, source in rows:
+        name, day = re.fullmatch(r"\s*`(\w+\.md)`, (\d{4}-\d\d-\d\d)\s*", source).groups()
+        path = fill_docs.RESULTS / name
+        measured = set(number.findall(path.read_text()))
+        missing = [n for n in number.findall(result) if n not in measured]
+        assert not missing, f"README row {measure.strip()!r}: {missing} not in {name}"
+        if shutil.which("git"):
+            assert day == fill_docs.measured(path), f"README row {measure.strip()!r}: {name} is from another day"
