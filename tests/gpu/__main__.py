@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     backend = jax.default_backend()
     if backend != "gpu":
         print(f"make test-gpu: JAX sees no GPU (its backend is {backend!r}; jax {jax.__version__}), so nothing was "
-              "tested. Run it where jax.devices() lists a GPU: see the README, 'On a GPU'.")
+              "tested. Run it where jax.devices() lists a GPU: see docs/gpu.md.")
         return 0
     device = jax.devices()[0]
     print(f"make test-gpu: {device.device_kind}, jax {jax.__version__}", flush=True)
