@@ -5,7 +5,7 @@ backend "will be removed in a future JAX version" (JAX's direction on Hopper and
 Mosaic GPU). The engine lowers dozens of programs at start-up, each with two kernels, so a
 server's log would repeat it a hundred times. :func:`quietly` silences exactly that warning
 around the project's own lowerings, and nothing else; which kernels each GPU runs is in the
-README ("On a GPU").
+docs/gpu.md.
 """
 
 from __future__ import annotations
