@@ -51,7 +51,7 @@ import numpy as np
 from benchmarks import offline
 from benchmarks.gpu_report import header
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, gc_freeze
 from engine.core.scheduler import ScheduledGroupWork
 from tests.models.tiny_models import TINY_CONFIGS, write_checkpoint
 
@@ -113,26 +113,27 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
         engine.add_request(request_id, prompt, sampling_params(mode, i, output_tokens))
         generated[request_id] = 0
     decode_seconds, decode_tokens, all_seconds = [], [], []
-    while engine.has_unfinished_requests():
-        # Every sequence decodes in this step: each has its first token and none has finished.
-        every_one_decodes = all(0 < n < output_tokens for n in generated.values())
-        profiling = profiler is not None and every_one_decodes and len(decode_seconds) < profile_steps
-        if profiling:
-            profiler.enable()
-        start = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - start
-        if profiling:
-            profiler.disable()
-        before = sum(generated.values())
-        for output in outputs:
-            if output.error:
-                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-            generated[output.request_id] = len(output.outputs[0].token_ids)
-        all_seconds.append(seconds)
-        if every_one_decodes:
-            decode_seconds.append(seconds)
-            decode_tokens.append((sum(generated.values()) - before) / len(generated))
+    with gc_freeze.older_objects_frozen():  # as the engine's own loops run (LLM.generate, the server)
+        while engine.has_unfinished_requests():
+            # Every sequence decodes in this step: each has its first token and none has finished.
+            every_one_decodes = all(0 < n < output_tokens for n in generated.values())
+            profiling = profiler is not None and every_one_decodes and len(decode_seconds) < profile_steps
+            if profiling:
+                profiler.enable()
+            start = time.perf_counter()
+            outputs = engine.step()
+            seconds = time.perf_counter() - start
+            if profiling:
+                profiler.disable()
+            before = sum(generated.values())
+            for output in outputs:
+                if output.error:
+                    raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                generated[output.request_id] = len(output.outputs[0].token_ids)
+            all_seconds.append(seconds)
+            if every_one_decodes:
+                decode_seconds.append(seconds)
+                decode_tokens.append((sum(generated.values()) - before) / len(generated))
     if any(n != output_tokens for n in generated.values()):
         raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
     return Pass(decode_seconds, decode_tokens, all_seconds)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from engine import gc_freeze
 from engine.core.scheduler import SchedulerStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -107,12 +108,13 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         try:
-            while not self._stopping.is_set():
-                idle = not self.engine.has_unfinished_requests()
-                # Idle time compiles what the start-up left out, one short program at a time.
-                self._drain_inbox(block=idle and not self.engine.warm_up_when_idle())
-                if self.engine.has_unfinished_requests():
-                    self._step()
+            with gc_freeze.older_objects_frozen():  # the collector skips the loaded engine
+                while not self._stopping.is_set():
+                    idle = not self.engine.has_unfinished_requests()
+                    # Idle time compiles what the start-up left out, one short program at a time.
+                    self._drain_inbox(block=idle and not self.engine.warm_up_when_idle())
+                    if self.engine.has_unfinished_requests():
+                        self._step()
         except BaseException as error:  # the loop must not die silently: fail every waiting request
             log.exception("engine loop failed")
             self.error = error

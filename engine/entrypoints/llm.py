@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import jinja2
 from tqdm import tqdm
 
+from engine import gc_freeze
 from engine.config import EngineConfig
 from engine.core.scheduler import InvalidRequestError
 from engine.entrypoints.async_engine import EngineSnapshot
@@ -217,7 +218,8 @@ class LLM:
                     engine.add_request(request_id, prompt, params)
                 except InvalidRequestError as error:
                     results[request_id] = _refused(request_id, prompt, str(error))
-            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            with (tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar,
+                  gc_freeze.older_objects_frozen()):  # the collector skips the loaded engine
                 bar.update(len(results))
                 while engine.has_unfinished_requests():
                     for output in engine.step():
