@@ -17,13 +17,14 @@ $(STAMP): pyproject.toml
 
 # Both legs and the documentation, side by side (each one's output printed whole when it
 # ends): the full suite on Python 3.11 (JAX 0.10.2, torch for Hugging Face's reference models),
-# the suite on Python 3.12 with the newest JAX and flax (no torch), and the docs site built
+# the JAX-dependent suite on Python 3.12 with the newest JAX and flax (no torch; see
+# CURRENT_SLOW_TESTS), and the docs site built
 # with --strict (seconds), so a broken link or a missing API reference fails the tests.
 test:
 	$(MAKE) --jobs=3 --output-sync=target test-stable test-current docs
 
 test-stable: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # Python 3.12 (pyenv's, or on the PATH) in a venv of its own, with the newest jax, jaxlib and
 # flax the registry serves within pyproject's range, and everything else but torch: the tests
@@ -44,7 +45,15 @@ $(CURRENT_STAMP): pyproject.toml
 test-current: $(CURRENT_STAMP)
 	$(CURRENT_PY) -m pip install --quiet --upgrade jax jaxlib flax  # the newest, within pyproject's range
 	@$(CURRENT_PY) -c "import jax, flax, sys; print(f'test-current: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
-	$(CURRENT_PY) -m pytest -q
+	$(CURRENT_PY) -m pytest -q -m "not slow and not accel and not gpu" --durations=15
+	$(CURRENT_PY) -m pytest -q -m slow --durations=10 $(CURRENT_SLOW_TESTS)
+
+# The slow tests whose outcome depends on JAX's numerics (the real model against Hugging Face,
+# text and stops, constraints, tensor parallelism) run on the newest JAX too; the other slow
+# ones (the server over HTTP, fuzzing, notebooks, the benchmarks' quick runs) test this
+# project's Python and run once, in test-stable, which keeps make test near its time budget.
+CURRENT_SLOW_TESTS := tests/engine/test_llm_parity.py tests/models/test_smollm2.py tests/engine/test_llm_text.py \
+	tests/engine/test_structured_output.py tests/engine/test_tensor_parallel.py tests/engine/test_vllm_dropin.py
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not accel and not gpu"
