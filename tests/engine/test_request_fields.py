@@ -73,7 +73,7 @@ class Server:
     eos: int
     token_text: str  # TOKEN's text
 
-    def post(self, route: str, extra: dict | None = None, stream: bool = False) -> httpx.Response:
+    def post(self, route: str, extra: dict | None = None) -> httpx.Response:
         return httpx.post(self.url + PATHS[route], json={**BASE[route], **(extra or {})}, timeout=120)
 
     def json(self, route: str, extra: dict | None = None) -> dict:
@@ -169,16 +169,15 @@ def best_of_three(server, route, answer):
     assert text(answer) == text(three, best)
 
 
-def streamed(server, route, answer_text: str) -> list[dict]:
-    chunks = [json.loads(line[6:]) for line in answer_text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    return chunks
+def streamed(body: str) -> list[dict]:
+    """The JSON chunks of a server-sent-events body."""
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def _stream_check(include_usage: bool):
     def check(server, route, _):
         body = {"stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
-        chunks = streamed(server, route, server.post(route, body).text)
+        chunks = streamed(server.post(route, body).text)
         pieces = [c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content", ""))
                   for c in chunks if c["choices"]]
         assert "".join(p or "" for p in pieces) == text(server.json(route))
