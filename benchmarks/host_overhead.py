@@ -6,7 +6,9 @@
 
 Model: ``tests.models.tiny_models``' random ``llama_gqa_tied`` (2 layers, hidden 64, 4 heads,
 2 KV heads, vocabulary 256), float32. Workload: N requests of 32 random prompt tokens, all
-submitted at once, each decoding exactly 64 tokens (``ignore_eos``), in two modes: greedy,
+submitted at once, each decoding exactly 64 tokens (``ignore_eos``) and returning its final
+output only (``RequestOutputKind.FINAL_ONLY``, which ``LLM.generate`` and the server's whole
+answers ask; streamed answers cost a ``RequestOutput`` per request per step more), in two modes: greedy,
 and seeded sampling (temperature 0.8, top_p 0.9, a seed per request). One engine per N, with
 ``max_num_seqs`` N and KV blocks for every sequence at full length (no preemption), the other
 settings the engine's defaults (async scheduling, prefix caching, 2048 tokens per step, so
@@ -51,7 +53,7 @@ import numpy as np
 from benchmarks import offline
 from benchmarks.gpu_report import header
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
-from engine import LLM, SamplingParams, gc_freeze
+from engine import LLM, RequestOutputKind, SamplingParams, gc_freeze
 from engine.core.scheduler import ScheduledGroupWork
 from tests.models.tiny_models import TINY_CONFIGS, write_checkpoint
 
@@ -78,9 +80,11 @@ def engine_settings(count: int, output_tokens: int, num_scheduler_steps: int = 1
 
 
 def sampling_params(mode: str, index: int, output_tokens: int) -> SamplingParams:
-    """Exactly ``output_tokens`` tokens; sampled requests seeded by their index."""
+    """Exactly ``output_tokens`` tokens; sampled requests seeded by their index; only the final
+    output returned, as ``LLM.generate`` and the server's whole (not streamed) answers ask."""
     seed = {"seed": index} if MODES[mode]["temperature"] > 0 else {}
-    return SamplingParams(**MODES[mode], **seed, max_tokens=output_tokens, ignore_eos=True)
+    return SamplingParams(**MODES[mode], **seed, max_tokens=output_tokens, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -107,25 +111,24 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
     """Submit every prompt at once, step the engine until all finish, time every step; with
     ``profiler``, profile the first ``profile_steps`` steps in which every sequence decodes."""
     engine = llm.engine
-    generated = {}
     for i, prompt in enumerate(prompts):
-        request_id = f"host-{next(_ids)}"
-        engine.add_request(request_id, prompt, sampling_params(mode, i, output_tokens))
-        generated[request_id] = 0
-    decode_seconds, decode_tokens, all_seconds = [], [], []
+        engine.add_request(f"host-{next(_ids)}", prompt, sampling_params(mode, i, output_tokens))
+    decode_seconds, decode_tokens, all_seconds, generated = [], [], [], {}
     with gc_freeze.older_objects_frozen():  # as the engine's own loops run (LLM.generate, the server)
         while engine.has_unfinished_requests():
-            # Every sequence decodes in this step: each has its first token and none has finished.
-            every_one_decodes = all(0 < n < output_tokens for n in generated.values())
+            # Every sequence decodes in this step: all run, none waits or still has prompt to compute.
+            state = engine.state
+            every_one_decodes = (not state.waiting and len(state.running) == len(prompts)
+                                 and not any(group.in_prefill for group in state.running))
             profiling = profiler is not None and every_one_decodes and len(decode_seconds) < profile_steps
             if profiling:
                 profiler.enable()
+            before = engine.counters.generation_tokens
             start = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - start
             if profiling:
                 profiler.disable()
-            before = sum(generated.values())
             for output in outputs:
                 if output.error:
                     raise RuntimeError(f"request {output.request_id} failed: {output.error}")
@@ -133,8 +136,8 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
             all_seconds.append(seconds)
             if every_one_decodes:
                 decode_seconds.append(seconds)
-                decode_tokens.append((sum(generated.values()) - before) / len(generated))
-    if any(n != output_tokens for n in generated.values()):
+                decode_tokens.append((engine.counters.generation_tokens - before) / len(prompts))
+    if len(generated) != len(prompts) or any(n != output_tokens for n in generated.values()):
         raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
     return Pass(decode_seconds, decode_tokens, all_seconds)
 
@@ -359,7 +362,8 @@ def main(argv: list[str] | None = None) -> str:
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
             f"Random `{MODEL}` ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary "
             f"{config['vocab_size']}), float32; N requests of {PROMPT_TOKENS} random prompt tokens, "
-            f"{args.output_tokens} new tokens each (ignore_eos), all submitted at once; max_num_seqs N, KV blocks "
+            f"{args.output_tokens} new tokens each (ignore_eos; final outputs only, as `LLM.generate` asks), all "
+            f"submitted at once; max_num_seqs N, KV blocks "
             f"for all, block size {BLOCK_SIZE}, prefix caching on, async scheduling on at k=1 (the defaults); k "
             f"decode steps per dispatch (`num_scheduler_steps`). "
             f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded. `LLMEngine.step()` timed after "

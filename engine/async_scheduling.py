@@ -28,9 +28,9 @@ and the smaller batch the scheduler planned computes its logits differently in t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
+from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ from engine.worker.sampler import SamplerOutput, SamplingBatch
 from engine.worker.sampling_rows import Row
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class InFlightStep:
     """A step's sampling, dispatched, its outputs not yet read: its rows, and the sampler's
     device arrays (whose first rows are ``rows``, in order); the model's inputs and the
@@ -56,7 +56,7 @@ class InFlightStep:
     block_tables: tuple[tuple[int, ...], ...]  # those of ``inputs``, one per row
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Lookahead:
     """A decode step (or a multi-step decode's loop: ``engine.multi_step``) dispatched before
     the scheduler decided it: its works (placeholder tokens), and its sampling."""

@@ -11,12 +11,12 @@ decoders drop the space of a text's first token, which is not the first of the w
 
 from __future__ import annotations
 
-import dataclasses
+from engine.core.records import record
 
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DecodeState:
     """Text so far and where the next decode starts (offsets into the output token ids)."""
 

@@ -31,12 +31,12 @@ single steps. It needs sampling that does not depend on this loop's tokens (no p
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from engine import async_scheduling
+from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork, SchedulerState, SequenceGroup
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ from engine.worker.sampler import SamplerOutput, SamplingBatch
 from engine.worker.sampling_rows import Row
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class InFlightSteps:
     """A multi-step decode dispatched: its rows (row i is work i), the tokens on the device
     (int32 [padded rows, k], -1 past a row's steps), the sampler's outputs stacked per step,

@@ -69,22 +69,32 @@ class OutputProcessor:
         steps; ``sampled``, the sampler's outputs [k, rows, ...], on the host) in order, each
         sequence up to its stop; the scheduler's actions that follow (the tokens kept)."""
         actions = []
-        logprobs = sampled.logprobs.tolist()
-        for i, (row, row_tokens) in enumerate(zip(rows, tokens.tolist())):
+        steps = (tokens >= 0).sum(axis=1).tolist()
+        all_logprobs = sampled.logprobs.T.tolist()
+        for i, (row, row_tokens, logprobs, num_steps) in enumerate(zip(rows, tokens.tolist(), all_logprobs, steps)):
             request = row.request
             touched[request.request_id] = request
-            tokenizer, kept, stop = self._detokenizer(request), [], False
-            for j, token in enumerate(row_tokens):
-                if token < 0 or stop:
-                    break
-                kept.append(token)
-                entry = self._logprobs_entry(request, sampled, (j, i), token, logprobs[j][i], tokenizer)
-                stop = request.record(row.seq_id, token, logprobs[j][i], entry, tokenizer)
-            self.counters.generation_tokens += len(kept)
-            actions.append(AppendMany(row.seq_id, tuple(kept)))
-            if stop:
+            tokenizer = self._detokenizer(request)
+            if request.num_logprobs is None:
+                kept = request.record_tokens(row.seq_id, row_tokens[:num_steps], logprobs[:num_steps], tokenizer)
+            else:
+                kept = self._record_with_logprobs(request, row.seq_id, i, row_tokens[:num_steps], sampled, tokenizer)
+            self.counters.generation_tokens += kept
+            actions.append(AppendMany(row.seq_id, tuple(row_tokens[:kept])))
+            if request.seqs[row.seq_id].finish_reason is not None:
                 actions.append(self._finish(request, row.seq_id))
         return actions
+
+    def _record_with_logprobs(self, request: RequestState, seq_id: int, i: int, tokens: list[int], sampled,
+                              tokenizer) -> int:
+        """Record row ``i``'s ``tokens`` one at a time with their log-probabilities entries, up
+        to a stop; returns how many were kept."""
+        for j, token in enumerate(tokens):
+            logprob = float(sampled.logprobs[j, i])
+            entry = self._logprobs_entry(request, sampled, (j, i), token, logprob, tokenizer)
+            if request.record(seq_id, token, logprob, entry, tokenizer):
+                return j + 1
+        return len(tokens)
 
     @staticmethod
     def _logprobs_entry(request: RequestState, sampled, at, token: int, logprob: float, tokenizer):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+from engine.core.records import record
 
 
 class Logprob(float):
@@ -43,7 +43,7 @@ def token_logprobs(tokenizer, chosen: tuple[int, float, int], top_tokens, top_lo
     return entry
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CompletionOutput:
     """One generated sequence.
 
@@ -65,7 +65,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RequestOutput:
     """Everything produced so far for one request.
 
@@ -88,7 +88,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BeamSearchSequence:
     """One hypothesis of a beam search, as vLLM's: ``tokens`` are the prompt's then the
     generated ones, ``text`` decodes them all; ``logprobs`` has, per generated token, the
@@ -103,7 +103,7 @@ class BeamSearchSequence:
     stop_reason: str | int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BeamSearchOutput:
     """What ``LLM.beam_search`` returns per prompt (vLLM's type): the ``beam_width`` best
     ``sequences``, best first. ``error``: why the prompt was refused (then no sequences)."""
@@ -112,7 +112,7 @@ class BeamSearchOutput:
     error: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RequestMetrics:
     """Wall-clock times (``time.monotonic()`` seconds) of a request's milestones."""
 

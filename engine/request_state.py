@@ -8,6 +8,7 @@ sees (text, log-probabilities, finish reasons) and applies the stop rules of a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from engine import beam_search, structured_output
@@ -99,16 +100,16 @@ class RequestState:
         if self.num_cached_tokens is None:
             self.num_cached_tokens = start
 
-    @property
+    @functools.cached_property
     def is_beam_search(self) -> bool:
         return isinstance(self.params, BeamSearchParams)
 
-    @property
+    @functools.cached_property
     def num_logprobs(self) -> int | None:
         """Top alternatives to report per generated token (None: no logprobs asked)."""
         return None if self.is_beam_search else self.params.logprobs
 
-    @property
+    @functools.cached_property
     def tracks_logprob(self) -> bool:
         """Whether the sampler computes the log-probability of every token this request
         draws: for its logprobs, to rank beams, or to pick the ``n`` best of ``best_of``
@@ -116,7 +117,7 @@ class RequestState:
         return (self.is_beam_search or self.params.logprobs is not None
                 or self.params.num_candidates > self.params.n)
 
-    @property
+    @functools.cached_property
     def steered_by_each_token(self) -> bool:
         """Whether which tokens may come next depends on the tokens just generated (bad words,
         a structured-output constraint), so the host must see every token before the next step
@@ -178,6 +179,40 @@ class RequestState:
                                       skip_special_tokens=self.params.skip_special_tokens)
         seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
         return seq.finish_reason is not None
+
+    def record_tokens(self, seq_id: int, tokens: list[int], logprobs: list[float], tokenizer) -> int:
+        """Record ``tokens``, sampled one after another (a multi-step decode's row, with each
+        one's log-probability), up to and with the first that stops the sequence; returns how
+        many it kept. The same as :meth:`record` on each in turn, with the stop rules applied
+        to the whole row at once where no text is made (no ``tokenizer``) and nothing follows
+        each token (no log-probabilities entries, no constraint)."""
+        seq = self.seqs[seq_id]
+        if tokenizer is not None or self.num_logprobs is not None or seq.matcher is not None:
+            for kept, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
+                if self.record(seq_id, token, logprob, None, tokenizer):
+                    return kept
+            return len(tokens)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        kept, reason = self._first_stop(len(seq.token_ids), tokens)
+        seq.token_ids.extend(tokens[:kept])
+        if seq.cumulative_logprob is not None:
+            for logprob in logprobs[:kept]:  # one at a time, rounded as record() rounds them
+                seq.cumulative_logprob += logprob
+        seq.finish_reason, seq.stop_reason = reason
+        return kept
+
+    def _first_stop(self, num_before: int, tokens: list[int]) -> tuple[int, tuple[str | None, str | int | None]]:
+        """How many of ``tokens`` a sequence that has ``num_before`` tokens keeps, and why it
+        stops after them (``_stop_reason``'s answer, with no text and no constraint)."""
+        params = self.params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        for count, token in enumerate(tokens, start=num_before + 1):
+            if count >= params.min_tokens and (token in eos or token in params.stop_token_ids):
+                return count - num_before, ("stop", None if token in eos else token)
+            if count >= self.max_tokens:
+                return count - num_before, ("length", None)
+        return len(tokens), (None, None)
 
     def _follow_constraint(self, seq: SeqProgress, token: int) -> bool:
         """Advance ``seq``'s constraint by ``token``; True (the request ends with an error) if

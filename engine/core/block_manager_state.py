@@ -4,12 +4,12 @@ They sit below every module that reads them (`block_manager`, `block_swap`, `all
 `block_stats`), as `scheduler_state` does for the scheduler.
 """
 
-import dataclasses
 import enum
 from collections.abc import Mapping
 
 from engine.core.block_pool import BlockPool
 from engine.core.prefix_cache import PrefixCache
+from engine.core.records import record
 
 RESERVATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 
@@ -26,7 +26,7 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BlockManagerConfig:
     """Pool sizes and policies; `watermark`: fraction of device blocks admissions leave free."""
 
@@ -67,7 +67,7 @@ class BlockManagerConfig:
         return (self.num_device_blocks - self.watermark_blocks) * self.block_size
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SeqBlocks:
     """The blocks one sequence holds.
 
@@ -82,7 +82,7 @@ class SeqBlocks:
     cache_entry_ids: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BlockManagerState:
     """Both pools, every sequence's blocks (by seq_id) and the prefix cache."""
 

@@ -12,9 +12,10 @@ from rpds import HashTrieMap
 
 from engine.core import prefix_cache
 from engine.core.prefix_cache import PrefixCache
+from engine.core.records import record
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class FreeList:
     """Free blocks in the order they are handed out, first in first out. Persistent: the blocks
     sit at positions ``head ..`` of a hash trie, so taking or returning k blocks costs k small
@@ -58,7 +59,7 @@ class FreeList:
         return FreeList(self.slots.update(updates), self.head) if updates else self
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BlockPool:
     """Reference count per physical block (a persistent map over every block id), and the
     free list (refcount 0, not prefix-cached)."""

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 
 from rpds import HashTrieMap
 
+from engine.core.records import record
+
 Key = tuple[int | None, tuple[int, ...]]
 
 
@@ -49,7 +51,7 @@ def dissoc(mapping: HashTrieMap, keys: Iterable) -> HashTrieMap:
     return mapping
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CachedBlock:
     """One cache entry: physical device block `block` holds the tokens named by `key`."""
 
@@ -58,7 +60,7 @@ class CachedBlock:
     key: Key
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PrefixCache:
     """Cache entries by key and by block, plus the LRU order of the evictable blocks.
 

@@ -6,6 +6,7 @@ import dataclasses
 from engine.core import block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
+from engine.core.records import record
 from engine.core.scheduler_state import (
     ScheduledGroupWork,
     SchedulerConfig,
@@ -16,7 +17,7 @@ from engine.core.scheduler_state import (
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class _PartialPlan:
     """What schedule() has decided so far in one step."""
 

@@ -3,10 +3,10 @@
 `engine.core.scheduler` holds the functions over them (and re-exports these names).
 """
 
-import dataclasses
 
 from engine.core.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
 from engine.core.block_stats import BlockManagerStats
+from engine.core.records import record
 from engine.core.sequence import SequenceGroup, SequenceStatus
 
 PREEMPTION_MODES = (None, "recompute", "swap")
@@ -21,7 +21,7 @@ class SchedulerUsageError(RuntimeError):
     """schedule() / update() called out of order or with actions that do not match the step."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@record(kw_only=True)
 class SchedulerConfig:
     """Budgets per step and policies.
 
@@ -66,7 +66,7 @@ class SchedulerConfig:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ScheduledGroupWork:
     """Tokens whose KV is computed this step, for the sequences `seq_ids`.
 
@@ -111,7 +111,7 @@ class ScheduledGroupWork:
         return self.context_len + self.num_steps - 1
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SchedulerOutput:
     """One step's plan. Apply swap_out, then swap_in, then copy, then run `scheduled`."""
 
@@ -133,7 +133,7 @@ class SchedulerOutput:
         return max((work.num_steps for work in self.scheduled), default=1)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Append:
     """Add the sampled `token_id` to sequence `seq_id`."""
 
@@ -141,7 +141,7 @@ class Append:
     token_id: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class AppendMany:
     """Add the tokens a multi-step decode sampled for sequence `seq_id`, in order: at most the
     work's `num_steps`, fewer when the sequence stopped (the tokens after the stop are dropped)."""
@@ -150,7 +150,7 @@ class AppendMany:
     token_ids: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Fork:
     """A new sequence sharing all of the parent's blocks, continuing with `token_id`."""
 
@@ -159,7 +159,7 @@ class Fork:
     token_id: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Finish:
     """End sequence `seq_id` with a FINISHED_* `status` and free its blocks."""
 
@@ -167,7 +167,7 @@ class Finish:
     status: SequenceStatus
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Drop:
     """Remove sequence `seq_id` from its group and free its blocks (a beam that lost)."""
 
@@ -177,7 +177,7 @@ class Drop:
 Action = Append | AppendMany | Fork | Finish | Drop
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SchedulerState:
     """Queues ordered by arrival, the block manager, and counters.
 
@@ -199,7 +199,7 @@ class SchedulerState:
     num_swap_outs: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SchedulerStats:
     """Queue lengths (in groups), running sequences, preemptions, device KV usage, block stats."""
 

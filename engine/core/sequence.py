@@ -9,6 +9,8 @@ import dataclasses
 import enum
 import functools
 
+from engine.core.records import record
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life: queued, computing, on host, or done (and why)."""
@@ -30,7 +32,7 @@ class SequenceStatus(enum.Enum):
 _FINISHED = frozenset(status for status in SequenceStatus if status.name.startswith("FINISHED_"))
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Sequence:
     """One token stream. `num_computed_tokens` counts the tokens whose KV is in the cache."""
 
@@ -66,7 +68,7 @@ class Sequence:
         return self.len - self.num_computed_tokens
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SequenceGroup:
     """A request: its sequences, gang-scheduled together.
 

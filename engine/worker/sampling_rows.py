@@ -8,13 +8,13 @@ compiles for few shapes, ahead of the steps that need them (:func:`warm_up`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from engine import structured_output
+from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Row:
     """One sampled row: the logits row it reads, its request and sequence."""
 
