@@ -190,7 +190,7 @@ def allocate(state: BlockManagerState, group: SequenceGroup) -> tuple[BlockManag
 # --- decoding -------------------------------------------------------------------------------
 
 
-def _append_needs(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
+def append_needs(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
     """New device blocks `append_slot` takes from the pool for `seqs`, called in this order: one
     per full last block, one per copy-on-write (once the other holders of a shared block have
     copied, the last writes in place), none where a reservation covers it."""
@@ -218,7 +218,7 @@ def _append_needs(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
 
 def can_append_slots(state: BlockManagerState, group: SequenceGroup) -> bool:
     """Whether every unfinished sequence of `group` can get a writable slot for its last token."""
-    return _append_needs(state, group.unfinished_seqs) <= num_free_device_blocks(state)
+    return append_needs(state, group.unfinished_seqs) <= num_free_device_blocks(state)
 
 
 def _take_one(

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import operator
 
 from engine.core import block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
@@ -102,27 +103,42 @@ def _add_to_batch(
 
 class _Decodes:
     """Decoding groups given their slots since the plan was last updated, with the block state
-    after them; `add_to` puts them all into a plan in one update. (A step's decodes are most of
-    its groups, and adding them one at a time cost a copy of the plan each.)"""
+    after them and the device blocks still available; `add_to` puts them all into a plan in one
+    update. (A step's decodes are most of its groups, and adding them one at a time cost a
+    copy of the plan each.)"""
 
     def __init__(self, blocks: BlockManagerState):
         self.blocks, self.groups, self.work, self.copies = blocks, [], [], []
+        self.free = block_manager.num_free_device_blocks(blocks)
 
-    def add(self, group: SequenceGroup) -> None:
-        """Give every sequence of `group` a writable slot for its last token and schedule that token."""
+    def needs(self, group: SequenceGroup) -> int:
+        """The blocks `add` takes from the pool for `group` (`block_manager.append_needs` on the
+        blocks after the groups added so far); it can when they are at most `free`."""
+        return block_manager.append_needs(self.blocks, group.unfinished_seqs)
+
+    def add(self, group: SequenceGroup, needs: int | None = None) -> None:
+        """Give every sequence of `group` a writable slot for its last token and schedule that
+        token (the pool has the blocks, `needs` of them when given)."""
+        self.free -= self.needs(group) if needs is None else needs
         for seq in group.unfinished_seqs:
-            assert seq.num_uncomputed_tokens == 1, "a decoding sequence computes one token"
+            start = seq.num_computed_tokens
+            assert seq.len - start == 1, "a decoding sequence computes one token"
             self.blocks, copy = block_manager.append_slot(self.blocks, seq)
             if copy:
                 self.copies.append(copy)
-            self.work.append(_group_work(self.blocks, group, (seq,), 1, do_sample=True, whole_table=True))
+            self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), seq.tokens(start, start + 1), start,
+                                                self.blocks.seqs[seq.seq_id].block_table, group.in_prefill, True))
         self.groups.append(group)
 
     def add_to(self, step: _PartialPlan) -> _PartialPlan:
         """`step` with these groups and their work (its blocks must be the ones they started from)."""
         if not self.groups:
             return step
-        return _add_to_batch(step, tuple(self.groups), tuple(self.work), self.blocks, tuple(self.copies))
+        assert self.free == block_manager.num_free_device_blocks(self.blocks), "the decodes' blocks were miscounted"
+        return dataclasses.replace(
+            step, blocks=self.blocks, copies=step.copies + tuple(self.copies),
+            running=step.running + tuple(self.groups), work=step.work + tuple(self.work),
+            num_tokens=step.num_tokens + len(self.work), num_seqs=step.num_seqs + len(self.work))
 
 
 def _schedule_decode(step: _PartialPlan, group: SequenceGroup) -> _PartialPlan:
@@ -205,8 +221,9 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
         if group.in_prefill:
             prefilling.append(group)
             continue
-        if not block_manager.can_append_slots(decodes.blocks, group):
-            step, preempted_itself = decodes.add_to(step), False
+        needs = decodes.needs(group)
+        if needs > decodes.free:
+            step, preempted_itself, needs = decodes.add_to(step), False, None
             while not preempted_itself and not block_manager.can_append_slots(step.blocks, group):
                 victim = queue.pop() if queue else group
                 step = _preempt(step, victim, state.config.preemption_mode)
@@ -214,7 +231,7 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
             decodes = _Decodes(step.blocks)
             if preempted_itself:
                 continue
-        decodes.add(group)
+        decodes.add(group, needs)
     step = decodes.add_to(step)
     for group in prefilling:
         step = _schedule_prefill_chunk(step, group, state.config)
@@ -316,7 +333,10 @@ def _take_in_order(
 
 
 def _by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
-    return tuple(sorted(groups, key=lambda group: group.arrival))
+    return tuple(sorted(groups, key=_ARRIVAL))
+
+
+_ARRIVAL = operator.attrgetter("arrival")
 
 
 def schedule(

@@ -34,9 +34,10 @@ def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int
     computed, sampled = {}, {}
     for work in output.scheduled:
         for seq_id in work.seq_ids:
-            if seq_id in seqs and not seqs[seq_id].status.is_finished:
-                assert seqs[seq_id].num_computed_tokens == work.start
-                computed[seq_id] = work.context_len
+            seq = seqs.get(seq_id)
+            if seq is not None and not seq.status.is_finished:
+                assert seq.num_computed_tokens == work.start
+                computed[seq_id] = work.start + len(work.token_ids)
                 if work.do_sample:
                     sampled[seq_id] = work.num_steps
     return computed, sampled
@@ -62,21 +63,23 @@ def _child_ids(forks: list[Fork], next_seq_id: int) -> list[int]:
 
 def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
     """Raise SchedulerUsageError unless the actions fit the step that was scheduled."""
-    appends = collections.Counter(action.seq_id for action in by_kind[Append] + by_kind[AppendMany])
-    for action in by_kind[Append] + by_kind[AppendMany] + by_kind[Fork]:
-        if _target(action) not in sampled:
-            raise SchedulerUsageError(
-                f"sequence {_target(action)} was not sampled this step; Append or Fork only "
-                f"sequences from scheduled entries with do_sample"
-            )
+    appended = [action.seq_id for action in by_kind[Append] + by_kind[AppendMany]]
+    targets = appended + [fork.parent_seq_id for fork in by_kind[Fork]]
+    if not sampled.keys() >= set(targets):
+        seq_id = next(seq_id for seq_id in targets if seq_id not in sampled)
+        raise SchedulerUsageError(
+            f"sequence {seq_id} was not sampled this step; Append or Fork only "
+            f"sequences from scheduled entries with do_sample"
+        )
     for action in by_kind[AppendMany]:
         if not 1 <= len(action.token_ids) <= sampled[action.seq_id]:
             raise SchedulerUsageError(
                 f"AppendMany gives sequence {action.seq_id} {len(action.token_ids)} tokens; its "
                 f"work's num_steps allows 1 to {sampled[action.seq_id]}"
             )
-    twice = [seq_id for seq_id, count in appends.items() if count > 1]
-    if twice:
+    appends = set(appended)
+    if len(appends) < len(appended):
+        twice = [seq_id for seq_id, count in collections.Counter(appended).items() if count > 1]
         raise SchedulerUsageError(f"sequences {twice} got several Appends; Fork extra tokens")
     for action in by_kind[Finish]:
         if not action.status.is_finished or action.status is SequenceStatus.FINISHED_IGNORED:
@@ -84,7 +87,7 @@ def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
     ended = {action.seq_id for action in by_kind[Finish] + by_kind[Drop]}
     if ended - live:
         raise SchedulerUsageError(f"sequences {sorted(ended - live)} are not running")
-    missing = sampled.keys() - appends.keys() - ended
+    missing = sampled.keys() - appends - ended
     if missing:
         raise SchedulerUsageError(
             f"sampled sequences {sorted(missing)} need an Append, Finish or Drop"
@@ -145,6 +148,10 @@ def _regroup(
         children[parent_id].append(child_id)
     max_model_len = state.config.max_model_len
     for group in state.running:
+        if len(group.seqs) == 1 and not (children or dropped):  # most groups: one sequence, kept
+            blocks, group = _regroup_one(blocks, group, seqs, sampled, max_model_len)
+            (finished if group.seqs[0].status.is_finished else running).append(group)
+            continue
         ids = [seq.seq_id for seq in group.seqs]
         if children or dropped:
             ids += [child for seq_id in ids for child in children.get(seq_id, ())]
@@ -170,6 +177,16 @@ def _regroup(
     return blocks, tuple(running), tuple(finished)
 
 
+def _regroup_one(
+    blocks: BlockManagerState, group: SequenceGroup, seqs: Seqs, sampled: dict[int, int], max_model_len: int
+) -> tuple[BlockManagerState, SequenceGroup]:
+    """`_regroup` for a group of one sequence, in an update that forks and drops nothing."""
+    seq_id = group.seqs[0].seq_id
+    if _reached_length(seqs[seq_id], group.max_tokens, max_model_len):
+        blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
+    return blocks, group.with_seqs((seqs[seq_id],), group.in_prefill and seq_id not in sampled)
+
+
 def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     """Record the step planned by the last schedule(): its tokens are computed, then `actions`
     (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped."""
@@ -180,7 +197,7 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
     by_kind = {kind: [] for kind in (Append, AppendMany, Fork, Finish, Drop)}
     for action in actions:
-        if _target(action) not in aborted:
+        if not aborted or _target(action) not in aborted:
             by_kind[type(action)].append(action)
     child_ids = _child_ids(by_kind[Fork], state.next_seq_id)
     live = {seq_id for seq_id, seq in seqs.items() if not seq.status.is_finished}

@@ -7,13 +7,15 @@ record made with `dataclasses.replace`; the scheduler owns the transitions betwe
 
 import dataclasses
 import enum
-import functools
 
 from engine.core.records import record
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is in its life: queued, computing, on host, or done (and why)."""
+    """Where a sequence is in its life: queued, computing, on host, or done (and why).
+    ``is_finished`` is True for the four terminal statuses (an attribute of each member, read
+    several times per sequence per step: a property, or a set of the members, costs a Python
+    call each)."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -23,13 +25,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
 
-    @property
-    def is_finished(self) -> bool:
-        """True for the four terminal statuses."""
-        return self in _FINISHED
+    is_finished: bool
 
 
-_FINISHED = frozenset(status for status in SequenceStatus if status.name.startswith("FINISHED_"))
+for _status in SequenceStatus:
+    _status.is_finished = _status.name.startswith("FINISHED_")
 
 
 @record
@@ -101,10 +101,13 @@ class SequenceGroup:
                              self.expected_output_len, in_prefill, self.ignored_reason, self.use_prefix_cache,
                              self.may_fork)
 
-    @functools.cached_property
+    @property
     def unfinished_seqs(self) -> tuple[Sequence, ...]:
         """The sequences still generating (they hold or will hold KV blocks)."""
-        return tuple(seq for seq in self.seqs if not seq.status.is_finished)
+        seqs = self.seqs
+        if len(seqs) == 1:  # most groups
+            return () if seqs[0].status.is_finished else seqs
+        return tuple(seq for seq in seqs if not seq.status.is_finished)
 
     @property
     def is_finished(self) -> bool:
