@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
 from engine.request_state import RequestState
-from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import StepInputs
 from engine.worker.sampler import SamplerOutput, SamplingBatch
 from engine.worker.sampling_rows import Row
@@ -65,12 +64,6 @@ class Lookahead:
     in_flight: object  # InFlightStep, or multi_step.InFlightSteps
 
 
-def _key(work: ScheduledGroupWork) -> tuple:
-    """What the scheduler decides about a work, without its token (the lookahead's is on the
-    device) and its block table (see :func:`computed`)."""
-    return work.request_id, work.seq_ids, work.start, work.is_prefill, work.do_sample, work.num_steps
-
-
 def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
     """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
     placeholder token (0) where the token sampled from ``works`` goes."""
@@ -86,30 +79,33 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     for work in works:
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
-                or len(work.seq_ids) != 1 or not sampling_is_static(request, work.seq_ids[0])
-                or work.start + 1 >= len(work.block_table) * block_size  # the next token's slot is not held
-                or len(request.generated(work.seq_ids[0])) + 1 >= request.max_tokens):
+                or len(work.seq_ids) != 1 or not request.sampling_is_static
+                or work.start + 1 >= len(work.block_table) * block_size):  # the next token's slot is not held
+            return False
+        generated = len(request.seqs[work.seq_ids[0]].token_ids)
+        if generated + 1 >= request.max_tokens or generated < request.params.min_tokens:
             return False
     return True
 
 
 def sampling_is_static(request: RequestState, seq_id: int) -> bool:
     """Whether the sampler's inputs for ``seq_id``'s next token do not depend on this step's
-    token: no penalties (they count it), no bad words or constraint (they follow it), ``min_tokens``
-    reached (the step after this one must not ban EOS); not beam search."""
-    params = request.params
-    if not isinstance(params, SamplingParams) or request.steered_by_each_token:
-        return False
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        return False
-    return len(request.generated(seq_id)) >= params.min_tokens
+    token: the request's sampling does not (:attr:`RequestState.sampling_is_static`), and
+    ``min_tokens`` is reached (the step after this one must not ban EOS)."""
+    return request.sampling_is_static and len(request.generated(seq_id)) >= request.params.min_tokens
 
 
 def computed(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> bool:
     """Whether the lookahead of ``lookahead_works`` computed exactly the step ``plan`` plans:
     the same works, through the same blocks (the plan's tables may hold a block more, reserved
     since for later tokens)."""
-    return (not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted)
-            and [_key(work) for work in plan.scheduled] == [_key(work) for work in lookahead_works]
-            and all(planned.block_table[: len(work.block_table)] == work.block_table
-                    for planned, work in zip(plan.scheduled, lookahead_works)))
+    if (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted
+            or len(plan.scheduled) != len(lookahead_works)):
+        return False
+    for planned, work in zip(plan.scheduled, lookahead_works):
+        table = work.block_table
+        if (planned.start != work.start or planned.seq_ids != work.seq_ids or planned.request_id != work.request_id
+                or planned.num_steps != work.num_steps or planned.is_prefill != work.is_prefill
+                or planned.do_sample != work.do_sample or planned.block_table[: len(table)] != table):
+            return False
+    return True

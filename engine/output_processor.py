@@ -54,10 +54,10 @@ class OutputProcessor:
                      logprobs: list[float]) -> list:
         """Record each of ``rows``' token (``tokens[i]``, ``logprobs[i]`` for its index ``i``);
         the actions that follow."""
-        actions, tokenizer = [], self._detokenizer(request)
+        actions, tokenizer, with_entries = [], self._detokenizer(request), request.num_logprobs is not None
         for row, i in zip(rows, indices):
             token = tokens[i]
-            entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer)
+            entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer) if with_entries else None
             actions.append(Append(row.seq_id, token))
             if request.record(row.seq_id, token, logprobs[i], entry, tokenizer):
                 actions.append(self._finish(request, row.seq_id))

@@ -12,7 +12,15 @@ import functools
 import time
 
 from engine import beam_search, structured_output
-from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, find_stop
+from engine.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    DecodeState,
+    decode_after,
+    decode_next,
+    find_stop,
+    open_stream,
+    stream_next,
+)
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, token_logprobs
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -29,6 +37,7 @@ class SeqProgress:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     matcher: object | None = None  # the constraint's state (structured_output), if the request has one
+    stream: object | None = None  # the text's DecodeStream (detokenizer.open_stream); False: decode_next
 
     def completion(self, held_back: int = 0) -> CompletionOutput:
         """A snapshot; while running, the last ``held_back`` characters (which might still turn
@@ -124,13 +133,25 @@ class RequestState:
         samples: no lookahead, no multi-step decode."""
         return bool(self.bad_word_ids) or (not self.is_beam_search and self.params.guided_decoding is not None)
 
+    @functools.cached_property
+    def sampling_is_static(self) -> bool:
+        """Whether the sampler's inputs for a sequence's next token never depend on the token
+        before it, once ``min_tokens`` is reached: no penalties (they count it), no bad words
+        or constraint (they follow it); not beam search (the host chooses the beams)."""
+        params = self.params
+        return (not self.is_beam_search and not self.steered_by_each_token and not params.presence_penalty
+                and not params.frequency_penalty and params.repetition_penalty == 1.0)
+
     @property
     def finished(self) -> bool:
         if self.error is not None or self.aborted:
             return True
         if self.is_beam_search:
             return self.beams is not None and self.beams.done
-        return bool(self.seqs) and all(seq.finish_reason is not None for seq in self.seqs.values())
+        for seq in self.seqs.values():
+            if seq.finish_reason is None:
+                return False
+        return bool(self.seqs)
 
     def generated(self, seq_id: int) -> list[int]:
         """Tokens sequence ``seq_id`` has produced (beams are tracked by the beam search instead)."""
@@ -164,6 +185,12 @@ class RequestState:
         seq = self.seqs[seq_id]
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if tokenizer is None and step_logprobs is None and seq.matcher is None:  # no text: the stop rules alone
+            (_, (seq.finish_reason, seq.stop_reason)) = self._first_stop(len(seq.token_ids), (token,))
+            seq.token_ids.append(token)
+            if seq.cumulative_logprob is not None:
+                seq.cumulative_logprob += logprob
+            return seq.finish_reason is not None
         seq.token_ids.append(token)
         if seq.cumulative_logprob is not None:
             seq.cumulative_logprob += logprob
@@ -174,9 +201,7 @@ class RequestState:
         if seq.matcher is not None and self._follow_constraint(seq, token):
             return True
         if tokenizer is not None:
-            seq.decoded = decode_next(tokenizer, seq.token_ids, seq.decoded,
-                                      prompt_context=self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
-                                      skip_special_tokens=self.params.skip_special_tokens)
+            seq.decoded = self._next_text(seq, tokenizer)
         seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
         return seq.finish_reason is not None
 
@@ -213,6 +238,20 @@ class RequestState:
             if count >= self.max_tokens:
                 return count - num_before, ("length", None)
         return len(tokens), (None, None)
+
+    def _next_text(self, seq: SeqProgress, tokenizer) -> DecodeState:
+        """``seq``'s text with its last token's: through its ``DecodeStream`` where the
+        tokenizer has one (:func:`engine.detokenizer.open_stream`), else :func:`decode_next`
+        (also from the first failure of a stream on: it decodes the whole output once, then on)."""
+        context, skip = self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], self.params.skip_special_tokens
+        if seq.stream is None:
+            seq.stream = open_stream(tokenizer, context, skip_special_tokens=skip) or False
+        if seq.stream:
+            try:
+                return stream_next(seq.stream, tokenizer, seq.token_ids[-1], seq.decoded)
+            except Exception:  # noqa: BLE001 (any decoder failure: decode the slow way, which has none)
+                seq.stream, seq.decoded = False, DecodeState()
+        return decode_next(tokenizer, seq.token_ids, seq.decoded, prompt_context=context, skip_special_tokens=skip)
 
     def _follow_constraint(self, seq: SeqProgress, token: int) -> bool:
         """Advance ``seq``'s constraint by ``token``; True (the request ends with an error) if

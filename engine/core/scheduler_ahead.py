@@ -23,14 +23,16 @@ def reserve_next_blocks(
     work then names it. Not for groups that may fork (beam search: a fork would share the
     block only to copy it), and only for a sequence that samples again after this step (within
     max_tokens and max_model_len)."""
-    size, wanted = config.block_manager.block_size, {}
+    size, wanted, seqs = config.block_manager.block_size, {}, None
     budget = block_manager.num_free_device_blocks(blocks)
-    seqs = {seq.seq_id: (group, seq) for group in running if not group.may_fork for seq in group.seqs}
     for work in works:
+        following = work.start + len(work.token_ids)  # the position of the next token
+        if work.is_prefill or following < len(work.block_table) * size or following >= config.max_model_len:
+            continue  # most decodes: the next token's slot is in the table already
+        if seqs is None:
+            seqs = {seq.seq_id: (group, seq) for group in running if not group.may_fork for seq in group.seqs}
         group, seq = seqs.get(work.seq_ids[0], (None, None))
-        following = work.context_len  # the position of the next token
-        if (group is not None and not work.is_prefill and len(seq.output_token_ids) + 1 < group.max_tokens
-                and following < config.max_model_len and following >= len(work.block_table) * size):
+        if group is not None and len(seq.output_token_ids) + 1 < group.max_tokens:
             fresh = block_manager.num_fresh_blocks(blocks, work.seq_ids[0], 1)
             if fresh <= budget:
                 wanted[work.seq_ids[0]], budget = 1, budget - fresh

