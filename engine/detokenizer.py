@@ -61,7 +61,10 @@ def open_stream(tokenizer, prompt_context, *, skip_special_tokens: bool):
     backend = getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
-    return tokenizers.decoders.DecodeStream(ids=list(prompt_context), skip_special_tokens=skip_special_tokens)
+    try:
+        return tokenizers.decoders.DecodeStream(ids=list(prompt_context), skip_special_tokens=skip_special_tokens)
+    except TypeError:  # a tokenizers release too old to prime a stream with ids
+        return None
 
 
 def stream_next(stream, tokenizer, token_id: int, state: DecodeState) -> DecodeState:
