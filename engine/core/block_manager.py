@@ -226,7 +226,7 @@ def _take_one(
 ) -> tuple[BlockManagerState, SeqBlocks, int]:
     """A private block for `entry`: from its reservation, else a fresh one (refcount 1)."""
     if entry.reserved:
-        return state, dataclasses.replace(entry, reserved=entry.reserved[1:]), entry.reserved[0]
+        return state, entry.changed(reserved=entry.reserved[1:]), entry.reserved[0]
     state, (block,) = take_device(state, 1)
     return add_device_refs(state, [block]), entry, block
 
@@ -253,7 +253,7 @@ def append_slot(
         copy, table = (table[index], block), table[:index] + (block,) + table[index + 1 :]
     if table == entry.block_table:
         return state, None
-    return set_seqs(state, {seq.seq_id: dataclasses.replace(entry, block_table=table)}), copy
+    return set_seqs(state, {seq.seq_id: entry.changed(block_table=table)}), copy
 
 
 def num_fresh_blocks(state: BlockManagerState, seq_id: int, num_blocks: int) -> int:
@@ -276,8 +276,7 @@ def append_blocks(state: BlockManagerState, counts: Mapping[int, int]) -> BlockM
         assert entry.on_device, f"seq {seq_id} is swapped out"
         own = entry.reserved[:num_blocks]
         new = own + tuple(next(fresh) for _ in range(num_blocks - len(own)))
-        entries[seq_id] = dataclasses.replace(entry, block_table=entry.block_table + new,
-                                              reserved=entry.reserved[len(own):])
+        entries[seq_id] = entry.changed(block_table=entry.block_table + new, reserved=entry.reserved[len(own):])
     return set_seqs(state, entries)
 
 
@@ -350,7 +349,7 @@ def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockMa
         return state
     cache, chain_ids = prefix_cache.insert_chains(state.prefix_cache, chains)
     updated = {
-        seq_id: dataclasses.replace(entry, cache_entry_ids=entry.cache_entry_ids + tuple(ids))
+        seq_id: entry.changed(cache_entry_ids=entry.cache_entry_ids + tuple(ids))
         for (seq_id, entry), ids in zip(entries, chain_ids)
     }
     return set_seqs(dataclasses.replace(state, prefix_cache=cache), updated)

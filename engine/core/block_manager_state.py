@@ -81,6 +81,14 @@ class SeqBlocks:
     reserved: tuple[int, ...] = ()
     cache_entry_ids: tuple[int, ...] = ()
 
+    def changed(self, *, block_table: tuple[int, ...] | None = None, reserved: tuple[int, ...] | None = None,
+                cache_entry_ids: tuple[int, ...] | None = None) -> "SeqBlocks":
+        """These blocks with the given fields changed: what `dataclasses.replace` makes, at a
+        third of its cost (decodes remake one per sequence at every block they open)."""
+        return SeqBlocks(self.block_table if block_table is None else block_table, self.on_device,
+                         self.reserved if reserved is None else reserved,
+                         self.cache_entry_ids if cache_entry_ids is None else cache_entry_ids)
+
 
 @record
 class BlockManagerState:
