@@ -266,15 +266,22 @@ def headers() -> list[str]:
 
 
 def machine() -> str:
-    """The CPU's model name and cores, and the load when the benchmark started."""
-    name = platform.processor() or platform.machine()
+    """The CPU's model name, widest vector instructions and cores, and the load when the
+    benchmark started (the same model name has come with and without AVX-512 here)."""
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if name and flags:
                 break
     except OSError:
         pass
+    vectors = next((label for flag, label in (("avx512_bf16", "AVX-512 with BF16"), ("avx512f", "AVX-512"),
+                                              ("avx2", "AVX2")) if flag in flags), "")
+    name = f"{name} ({vectors})" if vectors else name
     return f"{name}, {os.cpu_count()} cores, {platform.system()}; {offline.machine_note()}"
 
 
