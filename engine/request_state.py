@@ -142,6 +142,13 @@ class RequestState:
         return (not self.is_beam_search and not self.steered_by_each_token and not params.presence_penalty
                 and not params.frequency_penalty and params.repetition_penalty == 1.0)
 
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """The tokens that stop a sequence once ``min_tokens`` is reached: EOS (unless
+        ``ignore_eos``) and ``stop_token_ids``."""
+        params = self.params
+        return frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+
     @property
     def finished(self) -> bool:
         if self.error is not None or self.aborted:
@@ -186,10 +193,7 @@ class RequestState:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if tokenizer is None and step_logprobs is None and seq.matcher is None:  # no text: the stop rules alone
-            (_, (seq.finish_reason, seq.stop_reason)) = self._first_stop(len(seq.token_ids), (token,))
-            seq.token_ids.append(token)
-            if seq.cumulative_logprob is not None:
-                seq.cumulative_logprob += logprob
+            self._record_without_text(seq, (token,), (logprob,))
             return seq.finish_reason is not None
         seq.token_ids.append(token)
         if seq.cumulative_logprob is not None:
@@ -207,29 +211,36 @@ class RequestState:
 
     def record_tokens(self, seq_id: int, tokens: list[int], logprobs: list[float], tokenizer) -> int:
         """Record ``tokens``, sampled one after another (a multi-step decode's row, with each
-        one's log-probability), up to and with the first that stops the sequence; returns how
-        many it kept. The same as :meth:`record` on each in turn, with the stop rules applied
-        to the whole row at once where no text is made (no ``tokenizer``) and nothing follows
-        each token (no log-probabilities entries, no constraint)."""
+        one's log-probability, for a request that asks for no log-probabilities entries), up to
+        and with the first that stops the sequence; returns how many it kept. The same as
+        :meth:`record` on each in turn, at once for the whole row where no text is made (no
+        ``tokenizer``) and no constraint follows each token."""
         seq = self.seqs[seq_id]
-        if tokenizer is not None or self.num_logprobs is not None or seq.matcher is not None:
+        if tokenizer is not None or seq.matcher is not None:
             for kept, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
                 if self.record(seq_id, token, logprob, None, tokenizer):
                     return kept
             return len(tokens)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        kept, reason = self._first_stop(len(seq.token_ids), tokens)
+        return self._record_without_text(seq, tokens, logprobs)
+
+    def _record_without_text(self, seq: SeqProgress, tokens, logprobs) -> int:
+        """Add ``tokens`` to ``seq`` up to and with the first that stops it, by the stop rules
+        alone (no text, no constraint); returns how many were kept."""
+        kept, (seq.finish_reason, seq.stop_reason) = self._first_stop(len(seq.token_ids), tokens)
         seq.token_ids.extend(tokens[:kept])
         if seq.cumulative_logprob is not None:
             for logprob in logprobs[:kept]:  # one at a time, rounded as record() rounds them
                 seq.cumulative_logprob += logprob
-        seq.finish_reason, seq.stop_reason = reason
         return kept
 
     def _first_stop(self, num_before: int, tokens: list[int]) -> tuple[int, tuple[str | None, str | int | None]]:
         """How many of ``tokens`` a sequence that has ``num_before`` tokens keeps, and why it
         stops after them (``_stop_reason``'s answer, with no text and no constraint)."""
+        if tokens and self.stop_token_set.isdisjoint(tokens):  # most rows: the length limit alone
+            kept = min(len(tokens), max(self.max_tokens - num_before, 1))
+            return kept, ("length", None) if num_before + kept >= self.max_tokens else (None, None)
         params = self.params
         eos = () if params.ignore_eos else self.eos_token_ids
         for count, token in enumerate(tokens, start=num_before + 1):

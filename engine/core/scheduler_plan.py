@@ -37,11 +37,10 @@ class _PartialPlan:
 
 
 def _group_work(
-    blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int,
-    do_sample: bool, *, whole_table: bool = False,
+    blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int, do_sample: bool
 ) -> ScheduledGroupWork:
     """The next `length` uncomputed tokens of seqs[0], written for all of `seqs`, through the
-    blocks they need (`whole_table`: every block of the table, blocks reserved ahead too)."""
+    blocks they need (a prefill's; `_Decodes` makes the decodes' works)."""
     first, size = seqs[0], blocks.config.block_size
     start = first.num_computed_tokens
     table = block_manager.block_table(blocks, first.seq_id)
@@ -50,7 +49,7 @@ def _group_work(
         seq_ids=tuple(seq.seq_id for seq in seqs),
         token_ids=first.tokens(start, start + length),
         start=start,
-        block_table=table if whole_table else table[: blocks_for(start + length, size)],
+        block_table=table[: blocks_for(start + length, size)],
         is_prefill=group.in_prefill,
         do_sample=do_sample,
     )
@@ -126,6 +125,7 @@ class _Decodes:
             self.blocks, copy = block_manager.append_slot(self.blocks, seq)
             if copy:
                 self.copies.append(copy)
+            # Its whole table: blocks reserved ahead too (a lookahead writes there).
             self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), seq.tokens(start, start + 1), start,
                                                 self.blocks.seqs[seq.seq_id].block_table, group.in_prefill, True))
         self.groups.append(group)
