@@ -79,11 +79,9 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     for work in works:
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
-                or len(work.seq_ids) != 1 or not request.sampling_is_static
-                or work.start + 1 >= len(work.block_table) * block_size):  # the next token's slot is not held
-            return False
-        generated = len(request.seqs[work.seq_ids[0]].token_ids)
-        if generated + 1 >= request.max_tokens or generated < request.params.min_tokens:
+                or len(work.seq_ids) != 1 or not sampling_is_static(request, work.seq_ids[0])
+                or work.start + 1 >= len(work.block_table) * block_size  # the next token's slot is not held
+                or len(request.generated(work.seq_ids[0])) + 1 >= request.max_tokens):
             return False
     return True
 

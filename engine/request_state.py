@@ -241,10 +241,9 @@ class RequestState:
         if tokens and self.stop_token_set.isdisjoint(tokens):  # most rows: the length limit alone
             kept = min(len(tokens), max(self.max_tokens - num_before, 1))
             return kept, ("length", None) if num_before + kept >= self.max_tokens else (None, None)
-        params = self.params
-        eos = () if params.ignore_eos else self.eos_token_ids
+        eos = () if self.params.ignore_eos else self.eos_token_ids
         for count, token in enumerate(tokens, start=num_before + 1):
-            if count >= params.min_tokens and (token in eos or token in params.stop_token_ids):
+            if count >= self.params.min_tokens and token in self.stop_token_set:
                 return count - num_before, ("stop", None if token in eos else token)
             if count >= self.max_tokens:
                 return count - num_before, ("length", None)

@@ -135,10 +135,7 @@ class _Decodes:
         if not self.groups:
             return step
         assert self.free == block_manager.num_free_device_blocks(self.blocks), "the decodes' blocks were miscounted"
-        return dataclasses.replace(
-            step, blocks=self.blocks, copies=step.copies + tuple(self.copies),
-            running=step.running + tuple(self.groups), work=step.work + tuple(self.work),
-            num_tokens=step.num_tokens + len(self.work), num_seqs=step.num_seqs + len(self.work))
+        return _add_to_batch(step, tuple(self.groups), tuple(self.work), self.blocks, tuple(self.copies))
 
 
 def _schedule_decode(step: _PartialPlan, group: SequenceGroup) -> _PartialPlan:
