@@ -28,12 +28,14 @@ and the smaller batch the scheduler planned computes its logits differently in t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
 from engine.request_state import RequestState
-from engine.worker.model_runner import StepInputs
+from engine.worker import sampling_rows
+from engine.worker.model_runner import ModelRunner, StepInputs
 from engine.worker.sampler import SamplerOutput, SamplingBatch
 from engine.worker.sampling_rows import Row
 
@@ -68,6 +70,30 @@ def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork,
     """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
     placeholder token (0) where the token sampled from ``works`` goes."""
     return tuple(work.changed(token_ids=(0,), start=work.start + 1) for work in works)
+
+
+def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightStep
+                  ) -> tuple[Lookahead | None, list]:
+    """Dispatch the decode after ``works`` (see :func:`eligible`), its input tokens
+    ``in_flight``'s samples on the device. Returns the lookahead (None when the step picked its
+    logits rows, or padded its samples to another size) and the caches after it."""
+    tokens, inputs = in_flight.sampled.tokens, in_flight.inputs
+    if inputs.pick or tokens.shape != inputs.input_ids.shape:
+        return None, kv_caches
+    next_inputs = in_flight.next_inputs if in_flight.next_inputs is not None else runner.advance(inputs)
+    tables = tuple(work.block_table for work in works)
+    if tables != in_flight.block_tables:  # the scheduler reserved blocks since: the next slots may be there
+        next_inputs = runner.with_tables_of(next_inputs, works)
+    inputs = next_inputs.replace(input_ids=tokens)
+    out, kv_caches = runner.run(inputs, kv_caches)
+    if in_flight.batch is None:  # the same program as ``in_flight``'s, so the arg-max is there
+        sampled, batch = sampling_rows.model_argmax(out.argmax), None
+    else:
+        sampled, batch = sampling_rows.dispatch_next(out.logits, in_flight.batch)
+    rows = in_flight.rows
+    if any(row.logits_row != i for i, row in enumerate(rows)):
+        rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
+    return Lookahead(next_works(works), InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables)), kv_caches
 
 
 def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,

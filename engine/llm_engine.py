@@ -348,33 +348,10 @@ class LLMEngine:
                 self.runner, self.cache.kv_caches, works, self.requests, self.state, in_flight, self._num_steps)
             return ahead
         if self._num_steps == 1 and async_scheduling.eligible(works, self.requests, self.state, self.config.block_size):
-            return self._dispatch_step_lookahead(works, in_flight)
+            ahead, self.cache.kv_caches = async_scheduling.dispatch_next(self.runner, self.cache.kv_caches, works,
+                                                                         in_flight)
+            return ahead
         return None
-
-    def _dispatch_step_lookahead(self, works, in_flight: async_scheduling.InFlightStep
-                                 ) -> async_scheduling.Lookahead | None:
-        """Dispatch the decode after ``works`` (see :func:`engine.async_scheduling.eligible`), its input
-        tokens ``in_flight``'s samples on the device. None when the step picked its logits rows,
-        or padded its samples to another size."""
-        tokens, inputs = in_flight.sampled.tokens, in_flight.inputs
-        if inputs.pick or tokens.shape != inputs.input_ids.shape:
-            return None
-        next_inputs = in_flight.next_inputs if in_flight.next_inputs is not None else self.runner.advance(inputs)
-        tables = tuple(work.block_table for work in works)
-        if tables != in_flight.block_tables:  # the scheduler reserved blocks since: the next slots may be there
-            next_inputs = self.runner.with_tables_of(next_inputs, works)
-        inputs = next_inputs.replace(input_ids=tokens)
-        out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
-        if in_flight.batch is None:  # the same program as ``in_flight``'s, so the arg-max is there
-            sampled, batch = sampling_rows.model_argmax(out.argmax), None
-        else:
-            sampled, batch = sampling_rows.dispatch_next(out.logits, in_flight.batch)
-        rows = in_flight.rows
-        if any(row.logits_row != i for i, row in enumerate(rows)):
-            rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
-        return async_scheduling.Lookahead(
-            async_scheduling.next_works(works),
-            async_scheduling.InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables))
 
     def _record(self, in_flight: async_scheduling.InFlightStep | multi_step.InFlightSteps, touched) -> list:
         """Wait for ``in_flight``'s tokens and record them; the scheduler's actions that follow."""
