@@ -268,7 +268,7 @@ class LLMEngine:
             raise
         self.counters.steps += 1
         if self._stats_logger is not None:
-            self._stats_logger.maybe_log(self.counters, self.stats())
+            self._stats_logger.maybe_log(self.counters, self.stats)
         return self._collect(touched)
 
     def _plan(self, ahead: async_scheduling.Lookahead | None, num_steps: int

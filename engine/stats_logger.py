@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from engine.core.scheduler import SchedulerStats
 
@@ -23,14 +24,17 @@ class StatsLogger:
     _last_prompt: int = 0
     _last_generation: int = 0
 
-    def maybe_log(self, counters, stats: SchedulerStats, now: float | None = None) -> str | None:
+    def maybe_log(self, counters, stats: Callable[[], SchedulerStats], now: float | None = None) -> str | None:
         """Log (and return) the line if ``interval`` has passed since the last one; ``counters``
-        are the engine's totals (``EngineCounters``), ``stats`` the scheduler's now."""
+        are the engine's totals (``EngineCounters``), ``stats()`` gives the scheduler's now. It is
+        called only for a line: it walks every block table, which after every step would cost
+        the host milliseconds at a few hundred sequences."""
         now = time.monotonic() if now is None else now
         elapsed = now - self._last_time
         if elapsed < self.interval or elapsed <= 0:
             return None
         prompt, generation = counters.prompt_tokens, counters.generation_tokens
+        stats = stats()
         blocks = stats.blocks
         hit_rate = blocks.prefix_cache_hits / blocks.prefix_cache_queries if blocks.prefix_cache_queries else 0.0
         line = (f"Avg prompt throughput: {(prompt - self._last_prompt) / elapsed:.1f} tokens/s, "

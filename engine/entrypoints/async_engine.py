@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -16,7 +17,8 @@ import time
 from collections.abc import AsyncIterator
 
 from engine import gc_freeze
-from engine.core.scheduler import SchedulerStats
+from engine.core.scheduler import SchedulerState, SchedulerStats
+from engine.core.scheduler import stats as scheduler_stats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -25,9 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
-    """The engine's state after its latest step, for metrics and health."""
+    """The engine's state after its latest step, for metrics and health. Taken after every step
+    at no cost: it keeps the scheduler's state (immutable, so safe to read from the server's
+    thread) and the counters; ``scheduler``, which walks every block table, is computed when
+    read (a metrics scrape), not per step."""
 
-    scheduler: SchedulerStats
+    state: SchedulerState
     prompt_tokens: int
     generation_tokens: int
     steps: int
@@ -36,7 +41,12 @@ class EngineSnapshot:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSnapshot:
         counters = engine.counters
-        return cls(engine.stats(), counters.prompt_tokens, counters.generation_tokens, counters.steps, time.time())
+        return cls(engine.state, counters.prompt_tokens, counters.generation_tokens, counters.steps, time.time())
+
+    @functools.cached_property
+    def scheduler(self) -> SchedulerStats:
+        """Queues, preemptions, KV use and block accounting (``LLMEngine.stats()``) at the snapshot."""
+        return scheduler_stats(self.state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +141,7 @@ class AsyncLLMEngine:
             for request_id in [r for r in self._streams if r not in self.engine.requests]:
                 self._deliver(request_id, RuntimeError(f"engine step failed: {error}"), last=True)
             outputs = []
-        for output in outputs:
-            self._deliver(output.request_id, output, last=output.finished)
+        self._deliver_all(outputs)
         self.snapshot = self._snapshot()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -171,5 +180,28 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's event loop is gone
             self.engine.abort_request(request_id)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop for all of them (a
+        wake-up per output is a write to the loop's pipe, per request per step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(target[1], []).append((output.request_id, target[0], output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' event loop is gone
+                for request_id, _, _ in items:
+                    self.engine.abort_request(request_id)
+
     def _snapshot(self) -> EngineSnapshot:
         return EngineSnapshot.of(self.engine)
+
+
+def _put_all(items: list[tuple[str, asyncio.Queue, RequestOutput]]) -> None:
+    for _, stream, output in items:
+        stream.put_nowait(output)

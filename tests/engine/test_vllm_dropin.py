@@ -15,6 +15,8 @@ import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.config import EngineConfig
+from engine.core import scheduler
+from engine.entrypoints import async_engine
 from engine.entrypoints.async_engine import AsyncLLMEngine, EngineSnapshot
 from engine.entrypoints.metrics import Counter, Gauge, Histogram, Metrics
 from engine.entrypoints.protocol import ChatRequest
@@ -160,6 +162,29 @@ def test_disable_log_stats_false_logs_throughput_and_cache_use(checkpoint, caplo
             engine.step()
     assert any("Avg generation throughput" in r.message and "KV cache usage" in r.message for r in caplog.records)
     assert LLM(checkpoint, **ENGINE).engine.config.disable_log_stats  # LLM's default, as vLLM's
+
+
+def test_stats_are_computed_for_a_log_line_or_a_metrics_read_only(checkpoint, monkeypatch):
+    """The stats walk every block table: the engine asks for them only when a log line is due,
+    and the server's snapshot (taken after every step) when /metrics reads it, as of its step."""
+    engine = LLMEngine(EngineConfig(checkpoint, **ENGINE, disable_log_stats=False, log_stats_interval=60))
+    computed, stats = [], scheduler.stats
+
+    def counted(state):
+        computed.append(state)
+        return stats(state)
+
+    monkeypatch.setattr(scheduler, "stats", counted)
+    monkeypatch.setattr(async_engine, "scheduler_stats", counted)
+    engine.add_request("measured", PROMPT, SamplingParams(max_tokens=4))
+    engine.step()
+    snapshots = [EngineSnapshot.of(engine)]
+    while engine.has_unfinished_requests():
+        engine.step()
+        snapshots.append(EngineSnapshot.of(engine))
+    assert not computed  # no line was due within 60 s, and nothing read a snapshot
+    assert snapshots[0].scheduler.num_running == 1 and snapshots[-1].scheduler.num_running == 0
+    assert len(computed) == 2 and snapshots[-1].scheduler == engine.stats()
 
 
 def test_unknown_arguments_fail_loudly(checkpoint):
