@@ -160,7 +160,7 @@ class LLMEngine:
                                      expected_output_len=expected_output_len,
                                      use_prefix_cache=not wants_prompt_logprobs,
                                      may_fork=isinstance(params, BeamSearchParams))
-        group = scheduler.find_group(self.state, request_id)
+        group = self.state.waiting[-1]  # the request's, just queued
         seed = params.seed % 2**32 if isinstance(params, SamplingParams) and params.seed is not None else int(
             self._seeds.integers(2**31))
         request = RequestState.admitted(request_id, prompt, tuple(token_ids), params, seed=seed,

@@ -106,6 +106,8 @@ def initial_state(config: SchedulerConfig) -> SchedulerState:
 
 def find_group(state: SchedulerState, request_id: str) -> SequenceGroup | None:
     """The live (waiting, running or swapped) group of `request_id`, if any."""
+    if request_id not in state.live_ids:
+        return None
     live = state.waiting + state.running + state.swapped
     return next((group for group in live if group.request_id == request_id), None)
 
@@ -121,7 +123,8 @@ def add_request(
     use_prefix_cache: bool = True,
     may_fork: bool = False,
 ) -> SchedulerState:
-    """Queue a request of `num_seqs` sequences sharing the prompt (n / best_of / beam width).
+    """Queue a request of `num_seqs` sequences sharing the prompt (n / best_of / beam width):
+    its group joins the end of `waiting`.
     `use_prefix_cache` False: compute the whole prompt, whatever the prefix cache holds.
     `may_fork`: its updates may fork sequences (beam search), so no block is reserved ahead
     for them (`SchedulerConfig.reserve_next_block`)."""
@@ -135,7 +138,7 @@ def add_request(
         )
     if max_tokens < 1:
         raise InvalidRequestError(f"request {request_id!r}: max_tokens must be >= 1")
-    if find_group(state, request_id) is not None:
+    if request_id in state.live_ids:
         raise InvalidRequestError(f"request id {request_id!r} is in use; pick a unique one")
     reservation = config.block_manager.reservation
     if reservation in ("orca-pow2", "orca-oracle") and (expected_output_len or 0) < 1:
@@ -158,6 +161,7 @@ def add_request(
         waiting=state.waiting + (group,),
         next_seq_id=state.next_seq_id + num_seqs,
         next_arrival=state.next_arrival + 1,
+        live_ids=state.live_ids.insert(request_id),
     )
 
 
@@ -181,6 +185,7 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
         running=_without(state.running, group),
         swapped=_without(state.swapped, group),
         finished=state.finished + (set_unfinished_status(group, SequenceStatus.FINISHED_ABORTED),),
+        live_ids=state.live_ids.remove(request_id),
     )
 
 

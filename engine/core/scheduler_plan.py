@@ -14,6 +14,7 @@ from engine.core.scheduler_state import (
     SchedulerOutput,
     SchedulerState,
     SchedulerUsageError,
+    without_ids,
 )
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
 
@@ -382,5 +383,6 @@ def schedule(
         pending=output,
         num_preemptions=state.num_preemptions + len(step.preempted),
         num_swap_outs=state.num_swap_outs + len(step.to_swapped),
+        live_ids=without_ids(state.live_ids, step.ignored),
     )
     return state, output

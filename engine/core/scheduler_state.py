@@ -4,6 +4,8 @@
 """
 
 
+from rpds import HashTrieSet
+
 from engine.core.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
 from engine.core.block_stats import BlockManagerStats
 from engine.core.records import record
@@ -183,7 +185,8 @@ class SchedulerState:
 
     `finished` holds the groups that left during the last schedule() (ignored) and the
     update() / abort() calls since. `pending` is the output of schedule() not yet recorded by
-    update().
+    update(). `live_ids` holds the request ids of the waiting, running and swapped groups (a
+    persistent set: an arrival checks its id without a scan of every live group).
     """
 
     config: SchedulerConfig
@@ -197,6 +200,14 @@ class SchedulerState:
     next_arrival: int = 0
     num_preemptions: int = 0
     num_swap_outs: int = 0
+    live_ids: HashTrieSet = HashTrieSet()
+
+
+def without_ids(live_ids: HashTrieSet, groups: tuple[SequenceGroup, ...]) -> HashTrieSet:
+    """`live_ids` without the request ids of `groups` (groups that left the queues)."""
+    for group in groups:
+        live_ids = live_ids.remove(group.request_id)
+    return live_ids
 
 
 @record

@@ -22,6 +22,7 @@ from engine.core.scheduler_state import (
     SchedulerOutput,
     SchedulerState,
     SchedulerUsageError,
+    without_ids,
 )
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -212,4 +213,5 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
         finished=state.finished + finished,
         pending=None,
         next_seq_id=max([state.next_seq_id] + [child_id + 1 for child_id in child_ids]),
+        live_ids=without_ids(state.live_ids, finished),
     )

@@ -188,6 +188,29 @@ def test_abort_frees_everything_wherever_the_request_is(where):
     assert scheduler.abort(state, "pair") == state
 
 
+@pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
+def test_a_live_request_id_is_refused_and_free_again_once_it_leaves(where):
+    config = make_config(num_device_blocks=3, num_host_blocks=8, max_num_batched_tokens=4, max_num_seqs=4,
+                         preemption_mode="swap")
+    state = scheduler.add_request(scheduler.initial_state(config), "pair", range(7), max_tokens=2, num_seqs=2)
+    state = scheduler.add_request(state, "single", range(3), max_tokens=2)
+    state = run_until(state, {"waiting": lambda s: True, "running": lambda s: s.running and not s.running[0].in_prefill,
+                              "swapped": lambda s: s.swapped}[where])
+    target = {"swapped": "single"}.get(where, "pair")
+    with pytest.raises(scheduler.InvalidRequestError, match=f"request id '{target}' is in use; pick a unique one"):
+        scheduler.add_request(state, target, range(3), max_tokens=2)
+    state = scheduler.abort(state, target)
+    assert scheduler.find_group(state, target) is None
+    state = scheduler.add_request(state, target, range(3), max_tokens=2)  # free again
+    assert state.waiting[-1].request_id == target
+    state = scheduler.update(state, append_ones(state.pending))  # the step run_until planned
+    for _ in range(12):  # every request runs to its max_tokens and leaves
+        state, out = scheduler.schedule(state)
+        state = scheduler.update(state, append_ones(out))
+    assert not state.live_ids and not (state.waiting or state.running or state.swapped)
+    assert scheduler.add_request(state, "single", range(3), max_tokens=2).live_ids == {"single"}
+
+
 def test_engine_misuse_is_reported():
     state = scheduler.initial_state(make_config())
     state = scheduler.add_request(state, "a", range(4), max_tokens=4, num_seqs=2)

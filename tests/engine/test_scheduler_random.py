@@ -246,6 +246,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_are_consistent(self):
         check_blocks(self.state)
 
+    @invariant()
+    def live_ids_are_the_queued_requests(self):
+        live = self.state.waiting + self.state.running + self.state.swapped
+        assert set(self.state.live_ids) == {group.request_id for group in live}
+        assert len(live) == len(self.state.live_ids)
+
     def teardown(self):
         """The same calls from the same initial state give equal states: the state is a value."""
         state = scheduler.initial_state(self.config)
