@@ -186,7 +186,7 @@ class OutputProcessor:
         outputs = []
         for request_id, request in touched.items():
             finished = request.finished
-            if finished or getattr(request.params, "output_kind", None) is not RequestOutputKind.FINAL_ONLY:
+            if finished or request.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(request.output(self.tokenizer))
             if finished:
                 requests.pop(request_id, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import time
 
 from engine import beam_search, structured_output
@@ -45,15 +46,9 @@ class SeqProgress:
         text = self.decoded.text
         if self.finish_reason is None and held_back:
             text = text[: max(0, len(text) - held_back)]
-        return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=tuple(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else tuple(self.logprobs),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        logprobs = None if self.logprobs is None else tuple(self.logprobs)
+        return CompletionOutput(self.index, text, tuple(self.token_ids), self.cumulative_logprob, logprobs,
+                                self.finish_reason, self.stop_reason)
 
 
 @dataclasses.dataclass
@@ -300,36 +295,42 @@ class RequestState:
     def _cut_text(seq: SeqProgress, end: int) -> None:
         seq.decoded = dataclasses.replace(seq.decoded, text=seq.decoded.text[:end])
 
+    @functools.cached_property
+    def held_back(self) -> int:
+        """Characters a running sequence's output withholds: one fewer than the longest stop
+        string (they might still turn out to start one)."""
+        return 0 if self.is_beam_search or not self.params.stop else max(map(len, self.params.stop)) - 1
+
     def output(self, tokenizer=None) -> RequestOutput:
         """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running.
-        ``tokenizer`` decodes the texts of finished beams."""
-        held_back = 0 if self.is_beam_search or not self.params.stop else max(map(len, self.params.stop)) - 1
-        completions = [seq.completion(held_back) for seq in self.seqs.values()]
+        ``tokenizer`` decodes the texts of finished beams. (A streamed request makes one per
+        step: the common case, one sequence, takes no sorting.)"""
+        finished = self.finished
         if self.is_beam_search:
             completions = self._beam_completions(tokenizer)
-        elif self.finished and self.params.num_candidates > self.params.n:
-            completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
-            completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
-        finished = self.finished
+        else:
+            completions = [seq.completion(self.held_back) for seq in self.seqs.values()]
+            if finished and self.params.num_candidates > self.params.n:
+                completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
+                completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
         if finished and self.finished_time is None:
             self.finished_time = time.monotonic()
         prompt_logprobs = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
-        completions = sorted(completions, key=lambda c: c.index)
-        if getattr(self.params, "output_kind", None) is RequestOutputKind.DELTA:
+        if len(completions) > 1:
+            completions.sort(key=_INDEX)
+        if self.output_kind is RequestOutputKind.DELTA:
             prompt_logprobs = None if self.has_output else prompt_logprobs
             completions = self._deltas(completions)
         self.has_output = True
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=tuple(completions),
-            finished=finished,
-            prompt_logprobs=prompt_logprobs,
-            error=self.error,
-            metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
-            num_cached_tokens=self.num_cached_tokens,
-        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(completions), finished,
+                             prompt_logprobs, self.error,
+                             RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
+                             self.num_cached_tokens)
+
+    @functools.cached_property
+    def output_kind(self) -> RequestOutputKind | None:
+        """The params' ``output_kind`` (None for beam search, which returns whole outputs)."""
+        return getattr(self.params, "output_kind", None)
 
     def _deltas(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
         """``RequestOutputKind.DELTA``: of each completion, only what no earlier output returned
@@ -372,3 +373,6 @@ def _proposals_entry(tokenizer, token: int, proposed) -> TokenLogprobs:
     rank = next(place for place, (other, _) in enumerate(proposed, start=1) if other == token)
     tokens, logprobs = zip(*proposed)
     return token_logprobs(tokenizer, (token, proposed[rank - 1][1], rank), tokens, logprobs)
+
+
+_INDEX = operator.attrgetter("index")
