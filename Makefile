@@ -98,6 +98,7 @@ bench: install
 	$(PY) -m benchmarks.throughput chat
 	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.host_overhead
+	$(PY) -m benchmarks.server_loop
 	$(PY) -m benchmarks.throughput traces
 	$(PY) -m benchmarks.memory
 	$(PY) -m benchmarks.serving
@@ -111,6 +112,7 @@ bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.startup --quick
 	$(PY) -m benchmarks.host_overhead --quick
+	$(PY) -m benchmarks.server_loop --quick
 	$(PY) -m benchmarks.throughput traces --quick
 	$(PY) -m benchmarks.memory --quick
 	$(PY) -m benchmarks.serving --quick

@@ -1,0 +1,160 @@
+"""The server's engine loop per decode step: ``host_overhead``'s workload, streamed.
+
+    PYTHONPATH=. python -m benchmarks.server_loop [--quick] [--num-seqs 64,256] [--rounds N]
+
+``benchmarks.host_overhead`` drives ``LLMEngine.step()`` and asks for final outputs only, as
+``LLM.generate`` does. A server (``python -m engine.serve``) runs the same engine differently:
+``AsyncLLMEngine``'s thread steps it, logs its stats (the server's default), hands every
+request's output to the request's asyncio stream after every step, and keeps a snapshot for
+``/metrics``; the requests stream cumulative outputs, of which each stream sends what is new
+(``engine.entrypoints.streaming.ChoiceProgress``). This measures that loop with the same tiny
+model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,
+``host_overhead.engine_settings``), one step per dispatch.
+
+Per step of the engine thread in which all N sequences decode: the whole step
+(``AsyncLLMEngine._step``: the engine's step, the deliveries, the snapshot) and the engine's
+step alone inside it, medians over ``rounds`` passes after a compiling one. The consumers run
+on the main thread's event loop meanwhile, as a server's handlers do: they share the GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.gpu_report import header
+from benchmarks.host_overhead import MODEL, OUTPUT_TOKENS, engine_settings, machine, random_prompts, revision
+from benchmarks.timing import print_table, result_name, save_text
+from engine import LLM, SamplingParams
+from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.streaming import ChoiceProgress
+from tests.models.tiny_models import write_checkpoint
+
+COUNTS = {False: (64, 256, 512), True: (64, 256)}  # by --quick
+ROUNDS = {False: 3, True: 2}
+
+
+class TimedLoop(AsyncLLMEngine):
+    """``AsyncLLMEngine`` that times each ``_step`` whose engine state has ``count`` sequences
+    all decoding when it starts, once ``recording`` is set: the whole of it, and the engine's
+    ``step()`` within it."""
+
+    def __init__(self, engine, count: int):
+        self.count, self.whole, self.inner, self.recording = count, [], [], False
+        super().__init__(engine)
+
+    def _step(self) -> None:
+        state = self.engine.state
+        timed = (self.recording and not state.waiting and len(state.running) == self.count
+                 and not any(group.in_prefill for group in state.running))
+        step, inner = self.engine.step, []
+
+        def timed_step():
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                inner.append(time.perf_counter() - start)
+
+        self.engine.step = timed_step
+        start = time.perf_counter()
+        try:
+            super()._step()
+        finally:
+            del self.engine.step
+        if timed:
+            self.whole.append(time.perf_counter() - start)
+            self.inner.append(inner[0])
+
+
+_ids = itertools.count()
+
+
+async def _stream(loop: TimedLoop, prompt: list[int], output_tokens: int) -> int:
+    """Stream one request as the server does; the number of tokens it got."""
+    progress = ChoiceProgress()
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    async for output in loop.generate(prompt, params, f"served-{next(_ids)}"):
+        for choice in output.outputs:
+            progress.delta(choice)
+            progress.advance(choice)
+    return progress.tokens
+
+
+def run_pass(loop: TimedLoop, prompts: list[list[int]], output_tokens: int) -> None:
+    """Every prompt streamed at once until all finish."""
+    async def main():
+        return await asyncio.gather(*(_stream(loop, prompt, output_tokens) for prompt in prompts))
+
+    got = asyncio.run(main())
+    if any(n != output_tokens for n in got):
+        raise RuntimeError(f"requests got {sorted(set(got))} tokens, not {output_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    count: int
+    whole: list[float]
+    inner: list[float]
+
+    def row(self) -> list:
+        whole, inner = np.median(self.whole) * 1e3, np.median(self.inner) * 1e3
+        return [self.count, len(self.whole), f"{whole:.2f}", f"{np.percentile(self.whole, 90) * 1e3:.2f}",
+                f"{inner:.2f}", f"{whole - inner:.2f}"]
+
+
+def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int) -> Result:
+    llm = LLM(str(directory), **engine_settings(count, output_tokens), disable_log_stats=False)
+    loop = TimedLoop(llm.engine, count)
+    try:
+        vocab_size, seeds = llm.engine.model_config.vocab_size, itertools.count(1)
+        run_pass(loop, random_prompts(count, vocab_size, next(seeds)), output_tokens)  # compiles
+        loop.recording = True  # (the compiling pass's last step may still be ending: it is not timed)
+        for _ in range(rounds):
+            run_pass(loop, random_prompts(count, vocab_size, next(seeds)), output_tokens)
+    finally:
+        loop.shutdown()
+    if not loop.whole:
+        raise RuntimeError(f"N={count}: no step in which every sequence decoded")
+    result = Result(count, list(loop.whole), list(loop.inner))
+    print(f"N={count}: {result.row()}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer N and rounds, written to server_loop_quick.md")
+    parser.add_argument("--num-seqs", default=None, help="comma-separated N")
+    parser.add_argument("--rounds", type=int, default=None, help="timed passes per N (after one to compile)")
+    parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens each request decodes")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.num_seqs.split(",")] if args.num_seqs else list(COUNTS[args.quick])
+    rounds = args.rounds or ROUNDS[args.quick]
+    top = header("benchmarks.server_loop", list(sys.argv[1:] if argv is None else argv))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="server-loop-") as folder:
+        write_checkpoint(MODEL, folder)
+        results = [measure(pathlib.Path(folder), count, rounds, args.output_tokens) for count in counts]
+    note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
+            f"`host_overhead`'s workload ({MODEL}, float32, N prompts of 32 random tokens, {args.output_tokens} "
+            f"greedy tokens each, all at once, one step per dispatch) through `AsyncLLMEngine` as the server runs "
+            f"it: stats logged, cumulative outputs streamed to N asyncio consumers that take what is new. Per "
+            f"step of the engine thread in which all N decode, {rounds} passes pooled after a compiling one. "
+            f"Took {time.perf_counter() - start:.0f} s.")
+    headers = ["N", "steps timed", "median ms per loop step", "p90 ms", "of it LLMEngine.step (median ms)",
+               "deliveries and snapshot (ms)"]
+    text = "\n\n".join([top, note, print_table(headers, [r.row() for r in results])])
+    print(f"wrote {save_text(text, result_name('server_loop', args.quick))}")
+    return text
+
+
+if __name__ == "__main__":
+    main()
