@@ -4,7 +4,7 @@ import collections
 import dataclasses
 import operator
 
-from engine.core import block_manager, block_swap, scheduler_ahead
+from engine.core import admission, block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.records import record
@@ -110,6 +110,30 @@ class _Decodes:
     def __init__(self, blocks: BlockManagerState):
         self.blocks, self.groups, self.work, self.copies = blocks, [], [], []
         self.free = block_manager.num_free_device_blocks(blocks)
+        self.block_size = blocks.config.block_size
+
+    def add_single(self, group: SequenceGroup) -> bool:
+        """`add` for a group of one sequence (most decodes) when the pool has what it needs,
+        which it finds in the same pass; False, and nothing added, when it does not. The common
+        case, a slot in a block only this sequence holds, changes no block state."""
+        (seq,) = group.seqs
+        start = seq.num_computed_tokens
+        assert seq.len - start == 1, "a decoding sequence computes one token"
+        entry = self.blocks.seqs[seq.seq_id]
+        table, index = entry.block_table, start // self.block_size
+        if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:
+            needs = 0 if entry.reserved else 1  # a new block, or a copy of a shared one
+            if needs > self.free:
+                return False
+            self.free -= needs
+            self.blocks, copy = block_manager.append_slot(self.blocks, seq)
+            if copy:
+                self.copies.append(copy)
+            table = self.blocks.seqs[seq.seq_id].block_table
+        token = seq.output_token_ids[-1:] if seq.output_token_ids else seq.tokens(start, start + 1)
+        self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), token, start, table, False, True))
+        self.groups.append(group)
+        return True
 
     def needs(self, group: SequenceGroup) -> int:
         """The blocks `add` takes from the pool for `group` (`block_manager.append_needs` on the
@@ -219,6 +243,8 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
         if group.in_prefill:
             prefilling.append(group)
             continue
+        if len(group.seqs) == 1 and decodes.add_single(group):
+            continue
         needs = decodes.needs(group)
         if needs > decodes.free:
             step, preempted_itself, needs = decodes.add_to(step), False, None
@@ -251,49 +277,11 @@ def _ignore(step: _PartialPlan, group: SequenceGroup, reason: str) -> _PartialPl
     return dataclasses.replace(step, blocks=blocks, ignored=step.ignored + (group,))
 
 
-def _with_reason(
-    blocks: BlockManagerState, group: SequenceGroup, status: AllocStatus, need, verb: str
-) -> tuple[AllocStatus, str]:
-    """`status` and, for NEVER, why: `need(blocks, group)` blocks exceed the device pool."""
-    if status is not AllocStatus.NEVER:
-        return status, ""
-    config, seqs = blocks.config, group.unfinished_seqs
-    return status, (
-        f"request needs {need(blocks, group)} KV blocks of {config.block_size} tokens to {verb} "
-        f"({seqs[0].len} tokens x {len(seqs)} sequences), but the device pool has "
-        f"{config.num_device_blocks} blocks of which {config.watermark_blocks} stay free "
-        f"(watermark); give the KV cache more blocks (LLM's num_blocks or kv_cache_memory, the "
-        f"server's --num-blocks or --kv-cache-memory) or shorten the request"
-    )
-
-
-def _swap_in_status(
-    blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
-) -> tuple[AllocStatus, str]:
-    status = block_swap.can_swap_in(blocks, group)
-    return _with_reason(blocks, group, status, block_swap.num_swap_in_blocks, "resume")
-
-
 def _swap_in(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
     blocks, pairs = block_swap.swap_in(step.blocks, group)
     group = set_unfinished_status(group, SequenceStatus.RUNNING)
     step = dataclasses.replace(step, blocks=blocks, swap_in=step.swap_in + pairs)
     return _schedule_group(step, group, config)
-
-
-def _admission_status(
-    blocks: BlockManagerState, group: SequenceGroup, config: SchedulerConfig
-) -> tuple[AllocStatus, str]:
-    """Whether a waiting group fits; NEVER for a prompt longer than max_model_len or a group
-    larger than the whole device pool."""
-    if group.prompt_len > config.max_model_len:
-        reason = (
-            f"prompt of {group.prompt_len} tokens is longer than max_model_len="
-            f"{config.max_model_len}; shorten the prompt or raise max_model_len"
-        )
-        return AllocStatus.NEVER, reason
-    status = block_manager.can_allocate(blocks, group)
-    return _with_reason(blocks, group, status, block_manager.num_required_blocks, "start")
 
 
 def _admit(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
@@ -354,9 +342,9 @@ def schedule(
     step = _schedule_running(state)
     swapped, waiting = state.swapped, state.waiting
     if admit and not step.preempted:
-        step, swapped = _take_in_order(step, swapped, config, _swap_in_status, _swap_in)
+        step, swapped = _take_in_order(step, swapped, config, admission.swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not step.running):
-            step, waiting = _take_in_order(step, waiting, config, _admission_status, _admit)
+            step, waiting = _take_in_order(step, waiting, config, admission.admission_status, _admit)
     ahead = config.reserve_next_block and not (swapped or waiting)
     reserved = None
     if num_steps > 1 and _only_decodes(step):

@@ -193,6 +193,60 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped."""
     if state.pending is None:
         raise SchedulerUsageError("update() records the step planned by schedule(); call it first")
+    actions = list(actions)
+    updated = _one_token_each(state, actions)
+    return updated if updated is not None else update_in_general(state, actions)
+
+
+def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:
+    """Whether the step is `_one_token_each`'s: every running group has one sequence, each
+    sampled by its own work (in the same order), and the actions are one Append or AppendMany
+    of that sequence each, in that order, within its work's steps."""
+    works, running = state.pending.scheduled, state.running
+    if not len(works) == len(running) == len(actions):
+        return False
+    for group, work, action in zip(running, works, actions):
+        kind = type(action)
+        if (kind is not Append and kind is not AppendMany) or len(group.seqs) != 1 or not work.do_sample:
+            return False
+        seq = group.seqs[0]
+        if (work.request_id != group.request_id or work.seq_ids != (seq.seq_id,) or action.seq_id != seq.seq_id
+                or seq.status.is_finished or (kind is AppendMany and not 1 <= len(action.token_ids) <= work.num_steps)):
+            return False
+    return True
+
+
+def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
+    """`update_in_general` for the common step, in two passes over the groups and no
+    dictionary of every sequence: every running group one sequence that sampled and gets its
+    tokens (`_fits_one_token_each`); no fork, finish or drop. None for any other step."""
+    if not _fits_one_token_each(state, actions):
+        return None
+    seqs = []
+    for group, work, action in zip(state.running, state.pending.scheduled, actions):
+        seq = group.seqs[0]
+        assert seq.num_computed_tokens == work.start
+        new = (action.token_id,) if type(action) is Append else action.token_ids
+        # All but the last of several tokens were computed on the device by the steps after the first.
+        seqs.append(Sequence(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids + new, seq.status,
+                             work.start + len(work.token_ids) + len(new) - 1))
+    blocks = block_manager.mark_computed(state.blocks, seqs)
+    running, finished, max_model_len = [], [], state.config.max_model_len
+    for group, seq in zip(state.running, seqs):
+        if len(seq.output_token_ids) >= group.max_tokens or seq.len > max_model_len:
+            seq = dataclasses.replace(seq, status=SequenceStatus.FINISHED_LENGTH)
+            blocks = block_manager.free(blocks, seq.seq_id)
+            finished.append(group.with_seqs((seq,), in_prefill=False))
+        else:
+            running.append(group.with_seqs((seq,), in_prefill=False))
+    finished = tuple(finished)
+    return dataclasses.replace(state, blocks=blocks, running=tuple(running), finished=state.finished + finished,
+                               pending=None, live_ids=without_ids(state.live_ids, finished))
+
+
+def update_in_general(state: SchedulerState, actions: list[Action]) -> SchedulerState:
+    """`update` for any step: the actions checked against it (SchedulerUsageError for a
+    mismatch) and applied by kind."""
     seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
     computed, sampled = _computed_counts(state.pending, seqs)
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()

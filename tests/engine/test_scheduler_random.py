@@ -9,12 +9,13 @@ which verifies every KV read; every run is replayed and must give equal states.
 import collections
 import dataclasses
 import os
+from unittest import mock
 
 import hypothesis.strategies as st
 from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.core import block_manager, scheduler
+from engine.core import block_manager, scheduler, scheduler_plan, scheduler_update
 from engine.core.sequence import SequenceStatus
 from tests.engine.fake_engine import FakeCache, make_config, sample, serve
 
@@ -203,6 +204,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         admit = data.draw(st.integers(0, 4)) > 0  # the engine defers admissions behind a lookahead
         num_steps = data.draw(st.sampled_from([1, 1, 2, 4]))
         state, out = scheduler.schedule(self.state, admit=admit, num_steps=num_steps)
+        with mock.patch.object(scheduler_plan._Decodes, "add_single", lambda decodes, group: False):
+            # The one-sequence decodes' shortcut plans what the general path plans.
+            assert scheduler.schedule(self.state, admit=admit, num_steps=num_steps) == (state, out)
         check_plan(self.state, state, out)
         if not admit:
             assert not out.blocks_to_swap_in and {g.request_id for g in self.state.waiting} <= {
@@ -231,7 +235,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             state = scheduler.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
-        self._record(("step", admit, num_steps, aborted, tuple(actions)), scheduler.update(state, actions))
+        updated = scheduler.update(state, actions)
+        # The one-token-each shortcut (most engine steps) and the general path agree.
+        assert updated == scheduler_update.update_in_general(state, actions)
+        if scheduler_update._fits_one_token_each(state, actions):
+            event("one token each")
+        self._record(("step", admit, num_steps, aborted, tuple(actions)), updated)
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")
 
