@@ -9,7 +9,9 @@ Decode, one query token per sequence, every sequence at the same context: ours
 the same work as dense XLA attention on a contiguous ``[seqs, kv_heads, context, d]`` cache, the
 bar paging is measured against; JAX's own Pallas GPU paged op
 (``jax.experimental.pallas.ops.gpu.paged_attention``, deprecated since JAX 0.11) on the same
-paged cache. Effective GB/s: bytes of K/V read plus q and the output, over the time. Prefill,
+paged cache; and ours with the tiling it had before issue 41 (16 keys per step, no split over
+the context), so that one run measures that change. Effective GB/s: bytes of K/V read plus q
+and the output, over the time. Prefill,
 whole prompts, causal: ours (``pallas_paged.ragged_paged_attention`` on a paged cache holding
 the prompts) against ``jax.nn.dot_product_attention`` on contiguous q/k/v, cuDNN's flash
 attention and XLA's. Each output is checked against ``pallas_paged.reference`` once before
@@ -34,7 +36,7 @@ import numpy as np
 import pallas_paged
 from benchmarks.gpu_report import NO_GPU, header, on_gpu, require_gpu_unless_quick, save
 from benchmarks.timing import print_table, time_interleaved
-from pallas_paged import lowering, native, reference
+from pallas_paged import decode, lowering, native, reference, tiling
 
 BLOCK_SIZE = 16
 DTYPE = jnp.bfloat16
@@ -185,6 +187,7 @@ def decode_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches:
     q, k, v = random_inputs(case, key, case.seqs)
     paged = (q, *paged_inputs(case, k, v, rng))
     variants = {"ours": build(pallas_paged.paged_attention, paged, kernel=True),
+                "ours before": build(before_issue_41, paged, kernel=True) if on_gpu() else NO_GPU,
                 "dense": build(dense_decode, (q, k, v, paged[-1])),
                 "JAX": build(jax_paged_attention(), ((q * case.head_dim**-0.5).astype(DTYPE), *paged[1:]))
                 if on_gpu() else NO_GPU}
@@ -193,7 +196,14 @@ def decode_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches:
     moved = 2 * k.nbytes + 2 * q.nbytes  # K and V read once; q read and the output written
     cells = [cell for name in variants for cell in time_and_rate(times[name], moved)]
     return [case.heads, case.seqs, case.context, *cells, ratio(times["ours"], times["dense"]),
-            kernel_of(pallas_paged.paged_attention, paged)]
+            ratio(times["ours before"], times["ours"]), kernel_of(pallas_paged.paged_attention, paged)]
+
+
+def before_issue_41(q, k_cache, v_cache, block_tables, context_lens):
+    """Our Triton decode kernel with the tiling it had before issue 41 (16 keys per step, never
+    split): the A/B of that change, in the same run."""
+    return decode.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=q.shape[-1] ** -0.5,
+                                  tiling=tiling.GPU_BEFORE_ISSUE_41, interpret=False)
 
 
 def time_and_rate(seconds: float | str, moved: int) -> list:
@@ -233,8 +243,9 @@ def prefill_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches
             ratio(times["ours"], times["XLA"]), kernel_of(pallas_paged.ragged_paged_attention, paged)]
 
 
-DECODE_HEADERS = ["heads q/kv x d", "seqs", "context", "ours us", "ours GB/s", "dense XLA us", "dense GB/s",
-                  "JAX paged op us", "JAX GB/s", "ours / dense", "ours runs"]
+DECODE_HEADERS = ["heads q/kv x d", "seqs", "context", "ours us", "ours GB/s", "ours before issue 41 us",
+                  "before GB/s", "dense XLA us", "dense GB/s", "JAX paged op us", "JAX GB/s", "ours / dense",
+                  "before / ours", "ours runs"]
 PREFILL_HEADERS = ["heads q/kv x d", "prompts", "tokens each", "ours ms", "cuDNN flash ms", "dense XLA ms",
                    "ours / cuDNN", "ours / XLA", "ours runs"]
 

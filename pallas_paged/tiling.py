@@ -32,6 +32,9 @@ class Tiling:
     dynamic_grid: launch only the programs with work (the grid size is a traced value).
         Interpret mode pays tens of microseconds for every program, even an empty one, so
         padding sequences and unused tiles must not get programs; Triton needs a static grid.
+    target_programs: decode programs it takes to fill the device; with fewer (sequences x
+        KV-head programs), each sequence's keys are split over several programs whose
+        partial softmaxes are merged after (flash-decoding; :meth:`decode_splits`). 0: never.
     """
 
     heads_per_program: int
@@ -41,6 +44,15 @@ class Tiling:
     pow2: bool
     one_by_one: bool
     dynamic_grid: bool
+    target_programs: int = 0
+
+    def decode_splits(self, programs: int, max_steps: int) -> int:
+        """Programs per (sequence, KV heads) in a decode of ``programs`` such pairs whose
+        longest context takes ``max_steps`` loop steps: enough to reach ``target_programs``,
+        at most one per step."""
+        if not self.target_programs or programs >= self.target_programs:
+            return 1
+        return max(1, min(-(-self.target_programs // programs), max_steps))
 
     def heads(self, num_kv_heads: int) -> int:
         """KV heads per program for a model with ``num_kv_heads``."""
@@ -67,8 +79,13 @@ def _next_pow2(n: int) -> int:
 # Measured with benchmarks/kernels.py: 128 keys per step beats 64 and 256 in interpret mode.
 CPU = Tiling(heads_per_program=0, keys_per_step=128, min_tile_rows=1, tokens_per_tile=32, pow2=False, one_by_one=True,
              dynamic_grid=True)
-GPU = Tiling(heads_per_program=1, keys_per_step=16, min_tile_rows=16, tokens_per_tile=16, pow2=True, one_by_one=False,
-             dynamic_grid=False)
+# Not measured yet (no GPU since): 64 keys per step (4 blocks of 16 gathered through the table)
+# instead of one block, and decodes split to two programs per SM of an H100 (132), as issue 41
+# reasons from the profile of the 16-key, unsplit kernel (GPU_BEFORE_ISSUE_41), which on an H100
+# paid 1.44-3.46x dense attention. `make bench-gpu` times both (benchmarks/gpu_kernels.py).
+GPU = Tiling(heads_per_program=1, keys_per_step=64, min_tile_rows=16, tokens_per_tile=16, pow2=True, one_by_one=False,
+             dynamic_grid=False, target_programs=2 * 132)
+GPU_BEFORE_ISSUE_41 = dataclasses.replace(GPU, keys_per_step=16, target_programs=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import pytest
 from jax.experimental import topologies
 
 import pallas_paged
+from pallas_paged import tiling
 
 pytestmark = pytest.mark.accel
 
@@ -40,14 +41,14 @@ def gpu_devices():
     return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config).devices
 
 
-def compile_for(devices, fn, q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, ragged):
+def compile_for(devices, fn, q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, ragged, seqs=8):
     mesh = jax.sharding.Mesh(devices[:1], ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def spec(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
 
-    seqs, blocks, max_blocks = 8, 256, 32
+    blocks, max_blocks = 256, 32
     cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
     args = [spec((tokens, q_heads, head_dim), dtype), cache, cache, spec((seqs, max_blocks), jnp.int32),
             spec((seqs,), jnp.int32)]
@@ -63,8 +64,15 @@ def test_tpu_decode_compiles_for_v5e(q_heads, kv_heads, head_dim, block_size, dt
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
-@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
-def test_gpu_kernels_compile_for_h100(q_heads, kv_heads, head_dim, block_size, dtype, ragged):
-    fn = pallas_paged.ragged_paged_attention if ragged else pallas_paged.paged_attention
-    compile_for(gpu_devices(), fn, q_heads, kv_heads, head_dim, block_size, dtype, tokens=64 if ragged else 8,
-                ragged=ragged)
+@pytest.mark.parametrize("op", ["decode-split", "decode", "ragged"])
+def test_gpu_kernels_compile_for_h100(q_heads, kv_heads, head_dim, block_size, dtype, op):
+    """8 decoding sequences leave an H100 idle, so their keys are split over programs
+    (flash-decoding); 512 do not."""
+    fn = pallas_paged.ragged_paged_attention if op == "ragged" else pallas_paged.paged_attention
+    seqs = 512 if op == "decode" else 8
+    programs = seqs * kv_heads  # one program per (sequence, KV head) on a GPU
+    if op != "ragged":
+        max_steps = 32 // tiling.GPU.blocks_per_step(block_size)  # 32 blocks per table
+        assert (tiling.GPU.decode_splits(programs, max_steps) > 1) == (op == "decode-split")
+    compile_for(gpu_devices(), fn, q_heads, kv_heads, head_dim, block_size, dtype,
+                tokens={"ragged": 64, "decode": seqs, "decode-split": seqs}[op], ragged=op == "ragged", seqs=seqs)
