@@ -10,7 +10,7 @@ the same work as dense XLA attention on a contiguous ``[seqs, kv_heads, context,
 bar paging is measured against; JAX's own Pallas GPU paged op
 (``jax.experimental.pallas.ops.gpu.paged_attention``, deprecated since JAX 0.11) on the same
 paged cache; and ours with the tiling it had before issue 41 (16 keys per step, no split over
-the context), so that one run measures that change. Effective GB/s: bytes of K/V read plus q
+the context), so that one run measures that change (in prefill too). Effective GB/s: bytes of K/V read plus q
 and the output, over the time. Prefill,
 whole prompts, causal: ours (``pallas_paged.ragged_paged_attention`` on a paged cache holding
 the prompts) against ``jax.nn.dot_product_attention`` on contiguous q/k/v, cuDNN's flash
@@ -36,7 +36,7 @@ import numpy as np
 import pallas_paged
 from benchmarks.gpu_report import NO_GPU, header, on_gpu, require_gpu_unless_quick, save
 from benchmarks.timing import print_table, time_interleaved
-from pallas_paged import decode, lowering, native, reference, tiling
+from pallas_paged import decode, lowering, native, ragged, reference, tiling
 
 BLOCK_SIZE = 16
 DTYPE = jnp.bfloat16
@@ -234,20 +234,29 @@ def prefill_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches
     paged = (q, k_cache, v_cache, tables, lens, starts)
     dense = (q.reshape(case.seqs, case.context, case.q_heads, case.head_dim), k.swapaxes(1, 2), v.swapaxes(1, 2))
     variants = {"ours": build(pallas_paged.ragged_paged_attention, paged, kernel=True),
+                "ours before": build(ragged_before_issue_41, paged, kernel=True) if on_gpu() else NO_GPU,
                 "cuDNN": build(contiguous_attention("cudnn"), dense) if on_gpu() else NO_GPU,
                 "XLA": build(contiguous_attention("xla"), dense)}
     expected = reference.ragged_paged_attention(*paged)
     times = timed({name: verified(name, case, variant, expected, mismatches) for name, variant in variants.items()})
     cells = [number(t * 1e3) if isinstance(t, float) else t for t in times.values()]
     return [case.heads, case.seqs, case.context, *cells, ratio(times["ours"], times["cuDNN"]),
-            ratio(times["ours"], times["XLA"]), kernel_of(pallas_paged.ragged_paged_attention, paged)]
+            ratio(times["ours"], times["XLA"]), ratio(times["ours before"], times["ours"]),
+            kernel_of(pallas_paged.ragged_paged_attention, paged)]
+
+
+def ragged_before_issue_41(q, k_cache, v_cache, block_tables, context_lens, query_start_loc):
+    """Our Triton ragged kernel with the tiling it had before issue 41 (16 keys per step)."""
+    return ragged.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                         scale=q.shape[-1] ** -0.5, tiling=tiling.GPU_BEFORE_ISSUE_41,
+                                         interpret=False)
 
 
 DECODE_HEADERS = ["heads q/kv x d", "seqs", "context", "ours us", "ours GB/s", "ours before issue 41 us",
                   "before GB/s", "dense XLA us", "dense GB/s", "JAX paged op us", "JAX GB/s", "ours / dense",
                   "before / ours", "ours runs"]
-PREFILL_HEADERS = ["heads q/kv x d", "prompts", "tokens each", "ours ms", "cuDNN flash ms", "dense XLA ms",
-                   "ours / cuDNN", "ours / XLA", "ours runs"]
+PREFILL_HEADERS = ["heads q/kv x d", "prompts", "tokens each", "ours ms", "ours before issue 41 ms",
+                   "cuDNN flash ms", "dense XLA ms", "ours / cuDNN", "ours / XLA", "before / ours", "ours runs"]
 
 
 def main(argv: list[str] | None = None) -> str:

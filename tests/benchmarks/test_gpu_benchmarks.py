@@ -52,8 +52,8 @@ def test_kernels_quick_marks_gpu_columns_and_writes_only_the_quick_file(results)
     assert len(decode_rows) == len(gpu_kernels.QUICK_DECODE) and len(prefill_rows) == len(gpu_kernels.QUICK_PREFILL)
     for row in decode_rows:  # ours, dense: timed; ours before issue 41 and JAX's paged op (Triton): n/a
         assert positive(row[3]) and row[5] == NO_GPU and positive(row[7]) and row[9] == NO_GPU
-    for row in prefill_rows:  # ours, XLA: timed; cuDNN: n/a
-        assert positive(row[3]) and row[4] == NO_GPU and positive(row[5])
+    for row in prefill_rows:  # ours, XLA: timed; ours before issue 41 and cuDNN: n/a
+        assert positive(row[3]) and row[4] == NO_GPU and row[5] == NO_GPU and positive(row[6])
 
 
 @off_gpu
