@@ -119,10 +119,9 @@ class _Decodes:
         (seq,) = group.seqs
         start = seq.num_computed_tokens
         assert seq.len - start == 1, "a decoding sequence computes one token"
-        entry = self.blocks.seqs[seq.seq_id]
-        table, index = entry.block_table, start // self.block_size
-        if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:
-            needs = 0 if entry.reserved else 1  # a new block, or a copy of a shared one
+        table, index = self.blocks.seqs[seq.seq_id].block_table, start // self.block_size
+        if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:  # a new block, or a copy
+            needs = block_manager.append_needs(self.blocks, group.seqs)
             if needs > self.free:
                 return False
             self.free -= needs

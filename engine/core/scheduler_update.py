@@ -233,7 +233,7 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
     blocks = block_manager.mark_computed(state.blocks, seqs)
     running, finished, max_model_len = [], [], state.config.max_model_len
     for group, seq in zip(state.running, seqs):
-        if len(seq.output_token_ids) >= group.max_tokens or seq.len > max_model_len:
+        if _reached_length(seq, group.max_tokens, max_model_len):
             seq = dataclasses.replace(seq, status=SequenceStatus.FINISHED_LENGTH)
             blocks = block_manager.free(blocks, seq.seq_id)
             finished.append(group.with_seqs((seq,), in_prefill=False))
