@@ -141,7 +141,7 @@ class AsyncLLMEngine:
             for request_id in [r for r in self._streams if r not in self.engine.requests]:
                 self._deliver(request_id, RuntimeError(f"engine step failed: {error}"), last=True)
             outputs = []
-        self._deliver_all(outputs)
+        self._deliver_all([(output.request_id, output, output.finished) for output in outputs])
         self.snapshot = self._snapshot()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -169,28 +169,20 @@ class AsyncLLMEngine:
             self._deliver(item.request_id, error, last=True)
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        if last:
-            del self._streams[request_id]
-        stream, loop = target
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is gone
-            self.engine.abort_request(request_id)
+        self._deliver_all([(request_id, item, last)])
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams: one wake-up of each event loop for all of them (a
-        wake-up per output is a write to the loop's pipe, per request per step)."""
+    def _deliver_all(self, items: list[tuple[str, object, bool]]) -> None:
+        """Each (request id, output or error, whether it is the last) to its request's stream:
+        one wake-up of each event loop for all of them (a wake-up per output is a write to the
+        loop's pipe, per request per step)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            target = self._streams.get(output.request_id)
+        for request_id, item, last in items:
+            target = self._streams.get(request_id)
             if target is None:
                 continue
-            if output.finished:
-                del self._streams[output.request_id]
-            by_loop.setdefault(target[1], []).append((output.request_id, target[0], output))
+            if last:
+                del self._streams[request_id]
+            by_loop.setdefault(target[1], []).append((request_id, target[0], item))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -202,6 +194,6 @@ class AsyncLLMEngine:
         return EngineSnapshot.of(self.engine)
 
 
-def _put_all(items: list[tuple[str, asyncio.Queue, RequestOutput]]) -> None:
-    for _, stream, output in items:
-        stream.put_nowait(output)
+def _put_all(items: list[tuple[str, asyncio.Queue, object]]) -> None:
+    for _, stream, item in items:
+        stream.put_nowait(item)
