@@ -116,10 +116,7 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
     decode_seconds, decode_tokens, all_seconds, generated = [], [], [], {}
     with gc_freeze.older_objects_frozen():  # as the engine's own loops run (LLM.generate, the server)
         while engine.has_unfinished_requests():
-            # Every sequence decodes in this step: all run, none waits or still has prompt to compute.
-            state = engine.state
-            every_one_decodes = (not state.waiting and len(state.running) == len(prompts)
-                                 and not any(group.in_prefill for group in state.running))
+            every_one_decodes = all_decode(engine.state, len(prompts))
             profiling = profiler is not None and every_one_decodes and len(decode_seconds) < profile_steps
             if profiling:
                 profiler.enable()
@@ -140,6 +137,12 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
     if len(generated) != len(prompts) or any(n != output_tokens for n in generated.values()):
         raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
     return Pass(decode_seconds, decode_tokens, all_seconds)
+
+
+def all_decode(state, count: int) -> bool:
+    """Whether every one of ``count`` sequences decodes in the step after scheduler ``state``:
+    all run, none waits or still has prompt to compute."""
+    return not state.waiting and len(state.running) == count and not any(g.in_prefill for g in state.running)
 
 
 def model_alone_ms(llm: LLM, count: int) -> float:

@@ -31,7 +31,15 @@ import time
 import numpy as np
 
 from benchmarks.gpu_report import header
-from benchmarks.host_overhead import MODEL, OUTPUT_TOKENS, engine_settings, machine, random_prompts, revision
+from benchmarks.host_overhead import (
+    MODEL,
+    OUTPUT_TOKENS,
+    all_decode,
+    engine_settings,
+    machine,
+    random_prompts,
+    revision,
+)
 from benchmarks.timing import print_table, result_name, save_text
 from engine import LLM, SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
@@ -52,9 +60,7 @@ class TimedLoop(AsyncLLMEngine):
         super().__init__(engine)
 
     def _step(self) -> None:
-        state = self.engine.state
-        timed = (self.recording and not state.waiting and len(state.running) == self.count
-                 and not any(group.in_prefill for group in state.running))
+        timed = self.recording and all_decode(self.engine.state, self.count)
         step, inner = self.engine.step, []
 
         def timed_step():
