@@ -37,20 +37,17 @@ def _decode_kernel(block_tables_ref, context_lens_ref, q_ref, k_ref, v_ref, *out
         k, v = read(k_ref), read(v_ref)
         return softmax.update(state, q, k, v, i * keys_per_step, context_len)
 
-    num_steps = pl.cdiv(context_len, keys_per_step)
+    first, last = 0, pl.cdiv(context_len, keys_per_step)
+    if splits > 1:  # flash-decoding: one of ``splits`` equal runs of the steps (none past the context)
+        split, per_split = pl.program_id(2), pl.cdiv(last, splits)
+        first, last = split * per_split, jnp.minimum((split + 1) * per_split, last)
+    state = jax.lax.fori_loop(first, last, step, softmax.initial_state(q))
     if splits == 1:
-        state = jax.lax.fori_loop(0, num_steps, step, softmax.initial_state(q))
         (o_ref,) = out_refs
         o_ref[seq, heads] = softmax.finish(state).astype(o_ref.dtype)
-        return
-    # Flash-decoding: this program takes one of ``splits`` equal runs of the sequence's steps
-    # (none past its context) and leaves its softmax's accumulators for ``_merge``.
-    split = pl.program_id(2)
-    per_split = pl.cdiv(num_steps, splits)
-    first = split * per_split
-    state = jax.lax.fori_loop(first, jnp.minimum(first + per_split, num_steps), step, softmax.initial_state(q))
-    for ref, value in zip(out_refs, state):
-        ref[split, seq, heads] = value
+    else:  # the softmax's accumulators, for ``_merge``
+        for ref, value in zip(out_refs, state):
+            ref[split, seq, heads] = value
 
 
 def _merge(acc, row_max, row_sum):
