@@ -134,8 +134,10 @@ def test_bad_words_are_never_generated(client):
 
 def test_a_request_that_outgrows_the_kv_cache_is_an_error_not_a_short_answer():
     # 32 blocks of 16 tokens: the context is lowered to the 512 tokens the cache holds, and
-    # four 200-token samples outgrow it part-way through.
-    with running_server("--num-blocks", "32", "--max-model-len", "2048", "--max-num-seqs", "8") as base:
+    # four 200-token samples outgrow it part-way through. Its cache's shape is its own, so
+    # no step shape is compiled ahead (--enforce-eager): only the few its requests run.
+    with running_server("--num-blocks", "32", "--max-model-len", "2048", "--max-num-seqs", "8",
+                        "--enforce-eager") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
         with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
             client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=200)
@@ -332,7 +334,7 @@ def test_load_with_cancellations_leaves_nothing_running(url):
 
 def test_prefix_cache_metrics_count_tokens_as_vllm_does():
     """With prefix caching, a repeated prompt's cached blocks show up as tokens (vLLM's unit)."""
-    with running_server(*SERVER_ARGS, "--enable-prefix-caching") as base:
+    with running_server(*SERVER_ARGS, "--enable-prefix-caching", "--enforce-eager") as base:
         prompt = "word " * 100  # 101 tokens: six whole 16-token blocks
         for _ in range(2):
             assert httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
