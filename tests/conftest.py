@@ -10,8 +10,14 @@ import dataclasses
 import os
 from pathlib import Path
 
-# Converted models and compiled programs persist between local runs, inside the checkout.
-os.environ.setdefault("PALLAS_PAGED_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache"))
+# Converted models and compiled programs persist between runs, in the user's cache directory
+# (apart from the engine's own default, ~/.cache/pallas-paged), so that a new clone or worktree
+# starts warm: on a clean cache every program compiles afresh, which is about a third of the
+# suite's time. Entries are keyed by what they were made from (a GGUF's path, size and
+# modification time; a program's HLO, options and JAX version), so checkouts and JAX versions
+# sharing the folder read only their own.
+os.environ.setdefault("PALLAS_PAGED_CACHE_DIR",
+                      str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pallas-paged-tests"))
 
 import pytest
 
