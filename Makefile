@@ -30,11 +30,15 @@ test:
 test-stable: install
 	$(PY) -m pytest -q --durations=20
 
+# The tests of a CPU machine (accel and gpu need their own targets), without or with the slow ones.
+NOT_SLOW := not slow and not accel and not gpu
+SLOW := slow and not accel and not gpu
+
 test-stable-fast: install
-	$(PY) -m pytest -q -m "not slow and not accel and not gpu" --durations=10
+	$(PY) -m pytest -q -m "$(NOT_SLOW)" --durations=10
 
 test-stable-slow: install
-	$(PY) -m pytest -q -m "slow and not accel and not gpu" --durations=15
+	$(PY) -m pytest -q -m "$(SLOW)" --durations=15
 
 # Python 3.12 (pyenv's, or on the PATH) in a venv of its own, with the newest jax, jaxlib and
 # flax the registry serves within pyproject's range, and everything else but torch: the tests
@@ -55,7 +59,7 @@ $(CURRENT_STAMP): pyproject.toml
 test-current: $(CURRENT_STAMP)
 	$(CURRENT_PY) -m pip install --quiet --upgrade jax jaxlib flax  # the newest, within pyproject's range
 	@$(CURRENT_PY) -c "import jax, flax, sys; print(f'test-current: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
-	$(CURRENT_PY) -m pytest -q -m "not slow and not accel and not gpu" --durations=15 $(CURRENT_SKIP_FILES)
+	$(CURRENT_PY) -m pytest -q -m "$(NOT_SLOW)" --durations=15 $(CURRENT_SKIP_FILES)
 	$(CURRENT_PY) -m pytest -q -m slow --durations=10 $(CURRENT_SLOW_TESTS) -k "not ($(CURRENT_SLOW_SKIP))"
 
 # The slow tests whose outcome depends on JAX's numerics (the real model against Hugging Face,
@@ -75,7 +79,7 @@ CURRENT_SLOW_SKIP := queued or recompute or multi_step or chunked_prefill or pre
 	or preempted_constrained
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not accel and not gpu"
+	$(PY) -m pytest -q -m "$(NOT_SLOW)"
 
 # Ahead-of-time compilation for an H100 and a TPU v5e, without either; a venv of
 # its own, since the CUDA plugin would try (and fail) to find a GPU in .venv.
