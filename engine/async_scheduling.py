@@ -60,16 +60,13 @@ class InFlightStep:
 @record
 class Lookahead:
     """A decode step (or a multi-step decode's loop: ``engine.multi_step``) dispatched before
-    the scheduler decided it: its works (placeholder tokens), and its sampling."""
+    the scheduler decided it, and its sampling. Its works are ``works``, each ``positions_on``
+    positions after its ``start`` (placeholder tokens): a single-step lookahead keeps the works
+    of the step before it, rather than remaking every one of them each step."""
 
     works: tuple[ScheduledGroupWork, ...]
     in_flight: object  # InFlightStep, or multi_step.InFlightSteps
-
-
-def next_works(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledGroupWork, ...]:
-    """The decode after each of ``works`` (decodes): one position on, in the same blocks, with a
-    placeholder token (0) where the token sampled from ``works`` goes."""
-    return tuple(work.changed(token_ids=(0,), start=work.start + 1) for work in works)
+    positions_on: int = 0
 
 
 def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightStep
@@ -93,7 +90,8 @@ def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroup
     rows = in_flight.rows
     if any(row.logits_row != i for i, row in enumerate(rows)):
         rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
-    return Lookahead(next_works(works), InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables)), kv_caches
+    in_flight = InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables)
+    return Lookahead(tuple(works), in_flight, positions_on=1), kv_caches
 
 
 def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,
@@ -119,17 +117,18 @@ def sampling_is_static(request: RequestState, seq_id: int) -> bool:
     return request.sampling_is_static and len(request.generated(seq_id)) >= request.params.min_tokens
 
 
-def computed(lookahead_works: Sequence[ScheduledGroupWork], plan: SchedulerOutput) -> bool:
-    """Whether the lookahead of ``lookahead_works`` computed exactly the step ``plan`` plans:
-    the same works, through the same blocks (the plan's tables may hold a block more, reserved
-    since for later tokens)."""
+def computed(lookahead: Lookahead, plan: SchedulerOutput) -> bool:
+    """Whether ``lookahead`` computed exactly the step ``plan`` plans: the same works, through
+    the same blocks (the plan's tables may hold a block more, reserved since for later tokens)."""
+    works, on = lookahead.works, lookahead.positions_on
     if (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted
-            or len(plan.scheduled) != len(lookahead_works)):
+            or len(plan.scheduled) != len(works)):
         return False
-    for planned, work in zip(plan.scheduled, lookahead_works):
+    for planned, work in zip(plan.scheduled, works):
         table = work.block_table
-        if (planned.start != work.start or planned.seq_ids != work.seq_ids or planned.request_id != work.request_id
-                or planned.num_steps != work.num_steps or planned.is_prefill != work.is_prefill
-                or planned.do_sample != work.do_sample or planned.block_table[: len(table)] != table):
+        if (planned.start != work.start + on or planned.seq_ids != work.seq_ids
+                or planned.request_id != work.request_id or planned.num_steps != work.num_steps
+                or planned.is_prefill != work.is_prefill or planned.do_sample != work.do_sample
+                or planned.block_table[: len(table)] != table):
             return False
     return True

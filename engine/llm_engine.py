@@ -249,7 +249,7 @@ class LLMEngine:
                     log.warning("request %s stopped before its end: %s", request_id, reason)
         blocks_moved = False
         try:
-            if ahead is not None and async_scheduling.computed(ahead.works, plan):
+            if ahead is not None and async_scheduling.computed(ahead, plan):
                 blocks_moved = True
                 in_flight = ahead.in_flight
                 self.counters.lookahead_steps += 1
@@ -279,9 +279,9 @@ class LLMEngine:
         running that step anyway, and dropping it would cost every running request a step, to
         start the new ones sooner only by the host's turnaround between two steps."""
         state, plan = scheduler.schedule(self.state, num_steps=num_steps)
-        if ahead is not None and self.state.waiting and not async_scheduling.computed(ahead.works, plan):
+        if ahead is not None and self.state.waiting and not async_scheduling.computed(ahead, plan):
             deferred, without = scheduler.schedule(self.state, admit=False, num_steps=num_steps)
-            if async_scheduling.computed(ahead.works, without):
+            if async_scheduling.computed(ahead, without):
                 return deferred, without
         return state, plan
 

@@ -241,7 +241,7 @@ class ModelRunner:
 
     def advance(self, inputs: StepInputs) -> StepInputs:
         """What :meth:`prepare` makes of the decodes one position after ``inputs``' (see
-        :func:`engine.async_scheduling.next_works`), computed on the device from ``inputs``: only
+        :class:`engine.async_scheduling.Lookahead`), computed on the device from ``inputs``: only
         when ``inputs`` is a decode step (not ``pick``) whose sequences' block tables all hold
         their next tokens' slots."""
         return _moved_on(inputs, stages.call("advance", inputs.positions, inputs.metadata, config=self.config,
