@@ -33,35 +33,28 @@ class OutputProcessor:
 
     def record(self, rows, sampled, requests: dict[str, RequestState], next_child: int, touched) -> list:
         """Record the tokens ``sampled`` (on the host) for ``rows``; the scheduler's actions that
-        follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request."""
-        actions = []
-        by_request: dict[str, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_request.setdefault(row.request.request_id, []).append(i)
+        follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request.
+        Sampled rows are recorded in one pass, in order; a beam search's rows after them, a
+        request at a time (its step chooses among all its beams)."""
         tokens, logprobs = sampled.tokens[: len(rows)].tolist(), sampled.logprobs[: len(rows)].tolist()
-        for request_id, indices in by_request.items():
-            request = requests[request_id]
-            touched[request_id] = request
+        actions, beams = [], {}
+        for i, row in enumerate(rows):
+            request_id = row.request.request_id
+            request = touched[request_id] = requests[request_id]
             if request.is_beam_search:
-                by_seq = {rows[i].seq_id: i for i in indices}
-                new_actions, next_child = self._beam_step(request, by_seq, sampled, next_child)
-                actions += new_actions
-            else:
-                actions += self._sample_step(request, [rows[i] for i in indices], indices, sampled, tokens, logprobs)
-        return actions
-
-    def _sample_step(self, request: RequestState, rows, indices, sampled, tokens: list[int],
-                     logprobs: list[float]) -> list:
-        """Record each of ``rows``' token (``tokens[i]``, ``logprobs[i]`` for its index ``i``);
-        the actions that follow."""
-        actions, tokenizer, with_entries = [], self._detokenizer(request), request.num_logprobs is not None
-        for row, i in zip(rows, indices):
-            token = tokens[i]
-            entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer) if with_entries else None
+                beams.setdefault(request_id, {})[row.seq_id] = i
+                continue
+            token, tokenizer = tokens[i], self._detokenizer(request)
+            entry = None
+            if request.num_logprobs is not None:
+                entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer)
             actions.append(Append(row.seq_id, token))
             if request.record(row.seq_id, token, logprobs[i], entry, tokenizer):
                 actions.append(self._finish(request, row.seq_id))
-        self.counters.generation_tokens += len(rows)
+        self.counters.generation_tokens += len(rows) - sum(map(len, beams.values()))
+        for request_id, by_seq in beams.items():
+            new_actions, next_child = self._beam_step(requests[request_id], by_seq, sampled, next_child)
+            actions += new_actions
         return actions
 
     def record_steps(self, rows, tokens, sampled, touched) -> list:
