@@ -337,14 +337,13 @@ def mark_computed(state: BlockManagerState, seqs: Iterable[Sequence]) -> BlockMa
     size, chains, entries = state.config.block_size, [], []
     for seq in seqs:
         entry = state.seqs[seq.seq_id]
-        known = len(entry.cache_entry_ids)
-        new = [
-            (prefix_cache.block_tokens(seq.token_ids, index, size), entry.block_table[index])
-            for index in range(known, seq.num_computed_tokens // size)
-        ]
-        if new:
-            chains.append((entry.cache_entry_ids[-1] if known else None, new))
-            entries.append((seq.seq_id, entry))
+        known, full = len(entry.cache_entry_ids), seq.num_computed_tokens // size
+        if full <= known:  # most sequences most steps: no block filled
+            continue
+        new = [(prefix_cache.block_tokens(seq.token_ids, index, size), entry.block_table[index])
+               for index in range(known, full)]
+        chains.append((entry.cache_entry_ids[-1] if known else None, new))
+        entries.append((seq.seq_id, entry))
     if not chains:
         return state
     cache, chain_ids = prefix_cache.insert_chains(state.prefix_cache, chains)
