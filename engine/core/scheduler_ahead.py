@@ -5,7 +5,7 @@ groups, and returns them with the blocks appended and the works naming them."""
 
 from collections.abc import Sequence
 
-from engine.core import block_manager
+from engine.core import block_manager, sequence
 from engine.core.block_manager import BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.scheduler_state import ScheduledGroupWork, SchedulerConfig
@@ -23,20 +23,27 @@ def reserve_next_blocks(
     work then names it. Not for groups that may fork (beam search: a fork would share the
     block only to copy it), and only for a sequence that samples again after this step (within
     max_tokens and max_model_len)."""
-    size, wanted, seqs = config.block_manager.block_size, {}, None
+    size, max_model_len = config.block_manager.block_size, config.max_model_len
+    opening = [work.seq_ids[0] for work in works if not work.is_prefill
+               and len(work.block_table) * size <= work.start + len(work.token_ids) < max_model_len]
+    if not opening:  # most steps: every next token's slot is in its table already
+        return blocks, tuple(works)
+    wanted, seqs = {}, _running_seqs(running, set(opening))
     budget = block_manager.num_free_device_blocks(blocks)
-    for work in works:
-        following = work.start + len(work.token_ids)  # the position of the next token
-        if work.is_prefill or following < len(work.block_table) * size or following >= config.max_model_len:
-            continue  # most decodes: the next token's slot is in the table already
-        if seqs is None:
-            seqs = {seq.seq_id: (group, seq) for group in running if not group.may_fork for seq in group.seqs}
-        group, seq = seqs.get(work.seq_ids[0], (None, None))
+    for seq_id in opening:
+        group, seq = seqs.get(seq_id, (None, None))
         if group is not None and len(seq.output_token_ids) + 1 < group.max_tokens:
-            fresh = block_manager.num_fresh_blocks(blocks, work.seq_ids[0], 1)
+            fresh = block_manager.num_fresh_blocks(blocks, seq_id, 1)
             if fresh <= budget:
-                wanted[work.seq_ids[0]], budget = 1, budget - fresh
+                wanted[seq_id], budget = 1, budget - fresh
     return _with_blocks(blocks, works, wanted)
+
+
+def _running_seqs(running: Sequence[SequenceGroup], seq_ids: set[int]
+                  ) -> dict[int, tuple[SequenceGroup, sequence.Sequence]]:
+    """The group and record of each of `seq_ids` that runs in a group that does not fork."""
+    return {seq.seq_id: (group, seq) for group in running if not group.may_fork
+            for seq in group.seqs if seq.seq_id in seq_ids}
 
 
 def reserve_steps(
@@ -74,9 +81,15 @@ def _with_blocks(
     them), and the works of `num_steps` as multi-step decodes of that many steps."""
     if counts:
         blocks = block_manager.append_blocks(blocks, counts)
+    if not num_steps:  # only the works of `counts` change (a few a step: one pass to find them)
+        changed = list(works)
+        for i, work in enumerate(works):
+            if work.seq_ids[0] in counts:
+                changed[i] = work.changed(block_table=block_manager.block_table(blocks, work.seq_ids[0]))
+        return blocks, tuple(changed)
     changed = []
     for work in works:
-        seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
+        seq_id, steps = work.seq_ids[0], num_steps.get(work.seq_ids[0], 1)
         if seq_id in counts or steps > 1:
             table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
             work = work.changed(block_table=table, num_steps=steps)
