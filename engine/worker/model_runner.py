@@ -229,13 +229,12 @@ class ModelRunner:
         tables and slots from ``works``: for a lookahead when the scheduler gave a sequence its
         next block (``SchedulerConfig.reserve_next_block``) after ``next_inputs`` was computed
         on the device from the tables before."""
-        metadata, size = next_inputs.metadata, self.block_size
+        metadata, size, n = next_inputs.metadata, self.block_size, len(works)
         tables = np.zeros(metadata.block_tables.shape, np.int32)
+        _fill_tables(tables, works)
+        positions = np.fromiter((work.start for work in works), np.int64, n) + 1
         slots = np.full(metadata.slot_mapping.shape, -1, np.int32)
-        for row, work in enumerate(works):
-            tables[row, : len(work.block_table)] = work.block_table
-            position = work.start + 1
-            slots[row] = work.block_table[position // size] * size + position % size
+        slots[:n] = tables[np.arange(n), positions // size] * size + positions % size
         tables, slots = jax.device_put((tables, slots), self._inputs)
         return next_inputs.replace(metadata=metadata.replace(block_tables=tables, slot_mapping=slots))
 

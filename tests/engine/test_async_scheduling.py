@@ -257,6 +257,23 @@ def test_the_advanced_inputs_are_those_prepare_makes(llms, rows):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_tables_given_since_are_those_prepare_makes(llms, rows):
+    runner = llms[0].engine.runner
+    size = runner.block_size
+    # Row i's next token opens its table's last block when i is even: the block the scheduler
+    # reserved after the lookahead's inputs were computed from the shorter table.
+    starts = [size * (2 + i % 3) - 1 if i % 2 == 0 else size * (2 + i % 3) - 3 for i in range(rows)]
+    works = [ScheduledGroupWork("r", (i,), (4 + i,), start, tuple(range(5 * i, 5 * i + -(-(start + 1) // size))),
+                                False, True) for i, start in enumerate(starts)]
+    reserved = [work.changed(block_table=work.block_table + (900 + i,)) if i % 2 == 0 else work
+                for i, work in enumerate(works)]
+    given = runner.with_tables_of(runner.advance(runner.prepare(works, range(rows))), reserved)
+    wanted = runner.prepare([work.changed(token_ids=(0,), start=work.start + 1) for work in reserved], range(rows))
+    np.testing.assert_array_equal(given.metadata.block_tables, wanted.metadata.block_tables)
+    np.testing.assert_array_equal(given.metadata.slot_mapping, wanted.metadata.slot_mapping)
+
+
 def test_no_lookahead_where_its_inputs_would_depend_on_the_token(llms):
     on, _, vocab = llms
     engine = on.engine
