@@ -6,7 +6,8 @@
 ``LLM.generate`` does. A server (``python -m engine.serve``) runs the same engine differently:
 ``AsyncLLMEngine``'s thread steps it, logs its stats (the server's default), hands every
 request's output to the request's asyncio stream after every step, and keeps a snapshot for
-``/metrics``; the requests stream cumulative outputs, of which each stream sends what is new
+``/metrics``; the requests stream their outputs as deltas (``RequestOutputKind.DELTA``, as the
+server's streams ask), of which each stream sends what has text
 (``engine.entrypoints.streaming.ChoiceProgress``). This measures that loop with the same tiny
 model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,
 ``host_overhead.engine_settings``), one step per dispatch.
@@ -44,6 +45,7 @@ from benchmarks.timing import print_table, result_name, save_text
 from engine import LLM, SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.streaming import ChoiceProgress
+from engine.sampling_params import as_deltas
 from tests.models.tiny_models import write_checkpoint
 
 COUNTS = {False: (64, 256, 512), True: (64, 256)}  # by --quick
@@ -87,11 +89,10 @@ _ids = itertools.count()
 async def _stream(loop: TimedLoop, prompt: list[int], output_tokens: int) -> int:
     """Stream one request as the server does; the number of tokens it got."""
     progress = ChoiceProgress()
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    params = as_deltas(SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True))
     async for output in loop.generate(prompt, params, f"served-{next(_ids)}"):
         for choice in output.outputs:
-            progress.delta(choice)
-            progress.advance(choice)
+            progress.sent(progress.take(choice))
     return progress.tokens
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
             f"`host_overhead`'s workload ({MODEL}, float32, N prompts of 32 random tokens, {args.output_tokens} "
             f"greedy tokens each, all at once, one step per dispatch) through `AsyncLLMEngine` as the server runs "
-            f"it: stats logged, cumulative outputs streamed to N asyncio consumers that take what is new. Per "
+            f"it: stats logged, outputs streamed as deltas to N asyncio consumers that take them. Per "
             f"step of the engine thread in which all N decode, {rounds} passes pooled after a compiling one. "
             f"Took {time.perf_counter() - start:.0f} s.")
     headers = ["N", "steps timed", "median ms per loop step", "p90 ms", "of it LLMEngine.step (median ms)",

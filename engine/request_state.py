@@ -306,11 +306,14 @@ class RequestState:
         ``tokenizer`` decodes the texts of finished beams. (A streamed request makes one per
         step: the common case, one sequence, takes no sorting.)"""
         finished = self.finished
+        best_of = not self.is_beam_search and finished and self.params.num_candidates > self.params.n
         if self.is_beam_search:
             completions = self._beam_completions(tokenizer)
+        elif self.output_kind is RequestOutputKind.DELTA:  # never with best_of > n (add_request refuses it)
+            completions = self._new_parts()
         else:
             completions = [seq.completion(self.held_back) for seq in self.seqs.values()]
-            if finished and self.params.num_candidates > self.params.n:
+            if best_of:
                 completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[: self.params.n]
                 completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
         if finished and self.finished_time is None:
@@ -320,7 +323,6 @@ class RequestState:
             completions.sort(key=_INDEX)
         if self.output_kind is RequestOutputKind.DELTA:
             prompt_logprobs = None if self.has_output else prompt_logprobs
-            completions = self._deltas(completions)
         self.has_output = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(completions), finished,
                              prompt_logprobs, self.error,
@@ -332,18 +334,23 @@ class RequestState:
         """The params' ``output_kind`` (None for beam search, which returns whole outputs)."""
         return getattr(self.params, "output_kind", None)
 
-    def _deltas(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
-        """``RequestOutputKind.DELTA``: of each completion, only what no earlier output returned
-        (text, tokens, their log-probabilities); completions with nothing new are left out."""
+    def _new_parts(self) -> list[CompletionOutput]:
+        """``RequestOutputKind.DELTA``: of each sequence's completion, only what no earlier output
+        returned (text, tokens, their log-probabilities); sequences with nothing new are left
+        out. Made from the new part alone, so a streamed request's output per step costs what
+        is new, not the whole output so far."""
         deltas = []
-        for c in completions:
-            tokens, chars, was_finished = self.delivered.get(c.index, (0, 0, False))
-            finished = c.finish_reason is not None
-            if len(c.token_ids) == tokens and len(c.text) == chars and finished == was_finished:
+        for seq in self.seqs.values():
+            tokens, chars, was_finished = self.delivered.get(seq.index, (0, 0, False))
+            text, finished = seq.decoded.text, seq.finish_reason is not None
+            end = len(text) if finished or not self.held_back else max(0, len(text) - self.held_back)
+            if len(seq.token_ids) == tokens and end == chars and finished == was_finished:
                 continue
-            self.delivered[c.index] = (len(c.token_ids), len(c.text), finished)
-            deltas.append(dataclasses.replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-                                              logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
+            self.delivered[seq.index] = (len(seq.token_ids), end, finished)
+            deltas.append(CompletionOutput(seq.index, text[chars:end], tuple(seq.token_ids[tokens:]),
+                                           seq.cumulative_logprob,
+                                           None if seq.logprobs is None else tuple(seq.logprobs[tokens:]),
+                                           seq.finish_reason, seq.stop_reason))
         return deltas
 
     def _beam_completions(self, tokenizer) -> list[CompletionOutput]:

@@ -228,6 +228,16 @@ def final_only(params):
     return params
 
 
+def as_deltas(params):
+    """``params`` asking for outputs that each hold only what the earlier ones did not
+    (``RequestOutputKind.DELTA``), for a stream that sends what is new: each output then costs
+    what is new, not the whole output so far. ``BeamSearchParams`` (final only by nature) as
+    they are."""
+    if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.DELTA:
+        return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    return params
+
+
 def _require(ok: bool, field: str, allowed: str, value, owner: str = "SamplingParams") -> None:
     if not ok:
         raise ValueError(f"{owner}.{field} must be {allowed}, got {value!r}")

@@ -100,20 +100,24 @@ class Metrics:
             counter.inc(max(0, value - self._seen[key]))
             self._seen[key] = max(value, self._seen[key])
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """Latency and size histograms of a finished request, and its choices' finish reasons."""
-        for choice in output.outputs:
-            if choice.finish_reason is not None:
-                self._success.labels(**self._labels, finished_reason=choice.finish_reason).inc()
+    def observe_finished(self, output: RequestOutput, choices: list[tuple[int, str | None]] | None = None) -> None:
+        """Latency and size histograms of a finished request, and its choices' finish reasons.
+        ``choices``: each choice's (tokens generated, finish reason) when ``output`` does not hold
+        them whole (the last of a stream's deltas); by default, ``output``'s."""
+        if choices is None:
+            choices = [(len(c.token_ids), c.finish_reason) for c in output.outputs]
+        for _, reason in choices:
+            if reason is not None:
+                self._success.labels(**self._labels, finished_reason=reason).inc()
         if output.error is None:
             self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-            self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+            self.request_generation_tokens.observe(sum(tokens for tokens, _ in choices))
         metrics = output.metrics
         if metrics is None or metrics.first_token_time is None or metrics.finished_time is None:
             return
         self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
         self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-        generated = max((len(c.token_ids) for c in output.outputs), default=0)
+        generated = max((tokens for tokens, _ in choices), default=0)
         if generated > 1:
             self.tpot.observe((metrics.finished_time - metrics.first_token_time) / (generated - 1))
 

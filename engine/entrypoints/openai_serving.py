@@ -16,7 +16,7 @@ from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError, response_id
 from engine.entrypoints.streaming import ChoiceProgress, chunk_writer, ending_with_errors, includes_usage
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams, final_only
+from engine.sampling_params import BeamSearchParams, SamplingParams, as_deltas, final_only
 
 
 class OpenAIServing:
@@ -32,7 +32,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.model_names = model_names
-        self.on_finished = on_finished or (lambda output: None)
+        self.on_finished = on_finished or (lambda output, choices: None)
 
     def check_model(self, name: str | None) -> str:
         """The model a generation request names (the default if none), with the engine running."""
@@ -122,7 +122,7 @@ class OpenAIServing:
                                 **_prompt_logprobs(output, request.prompt_logprobs)})
         return {"id": response_id("cmpl", request.request_id), "object": "text_completion",
                 "created": int(time.time()), "model": model,
-                "choices": choices, "usage": _usage(plans, finals)}
+                "choices": choices, "usage": _usage(plans, _generated(finals))}
 
     def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """Server-sent events for ``request``; a request that cannot run raises here, before streaming."""
@@ -133,30 +133,30 @@ class OpenAIServing:
         chunk = chunk_writer(response_id("cmpl", request.request_id), "text_completion", model,
                              includes_usage(request))
         sent: dict[tuple[int, int], ChoiceProgress] = {}
-        finals = {}
-
-        async for prompt_index, output in self._merged(plans, "cmpl", functools.partial(_shown, request=request)):
+        first_outputs = {}  # per prompt: the one with the prompt's logprobs (later deltas have none)
+        streamed = [(ids, as_deltas(params)) for ids, params in plans]
+        async for prompt_index, output in self._merged(streamed, "cmpl", functools.partial(_shown, request=request)):
+            first_outputs.setdefault(prompt_index, output)
             for c in output.outputs:
                 key = (prompt_index, c.index)
                 first = key not in sent
                 progress = sent.setdefault(key, ChoiceProgress())
                 prefix = self._echoed(request, prompt_index, plans[prompt_index][0]) if request.echo and first else ""
-                delta = progress.delta(c)
+                delta = progress.take(c)
                 if progress.done or not (prefix or delta.text or c.finish_reason):
+                    progress.hold(delta)
                     continue
                 if prefix and request.logprobs is not None:  # the prompt's tokens come first, as unstreamed
-                    delta = self._with_prompt(delta, plans[prompt_index][0], output)
+                    delta = self._with_prompt(delta, plans[prompt_index][0], first_outputs[prompt_index])
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = self._completion_logprobs(delta, request.logprobs, progress.text_offset)
                     progress.text_offset += sum(len(token) for token in logprobs["tokens"])
-                progress.advance(c)
+                progress.sent(c)
                 yield chunk([{"index": prompt_index * request.n + c.index, "text": prefix + delta.text,
                               "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-            if output.finished:
-                finals[prompt_index] = output
         if includes_usage(request):
-            yield chunk([], _usage(plans, [finals[i] for i in range(len(plans))]))
+            yield chunk([], _usage(plans, sum(progress.tokens for progress in sent.values())))
         yield "data: [DONE]\n\n"
 
     # -- chat -------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
         return {"id": response_id("chatcmpl", request.request_id), "object": "chat.completion",
                 "created": int(time.time()), "model": model,
-                "choices": choices, "usage": _usage(plans, [output]),
+                "choices": choices, "usage": _usage(plans, _generated([output])),
                 **_prompt_logprobs(output, request.prompt_logprobs)}
 
     def chat_stream(self, request: ChatRequest) -> AsyncIterator[str]:
@@ -213,26 +213,24 @@ class OpenAIServing:
         chunk = chunk_writer(response_id("chatcmpl", request.request_id), "chat.completion.chunk", model,
                              includes_usage(request))
         sent: dict[int, ChoiceProgress] = {}
-        final = None
-
-        async for _, output in self._merged(plans, "chatcmpl"):
+        async for _, output in self._merged([(ids, as_deltas(params)) for ids, params in plans], "chatcmpl"):
             for c in output.outputs:
                 if c.index not in sent:
                     sent[c.index] = ChoiceProgress()
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 progress = sent[c.index]
-                delta = progress.delta(c)
+                delta = progress.take(c)
                 if progress.done or not (delta.text or c.finish_reason):
+                    progress.hold(delta)
                     continue
-                progress.advance(c)
+                progress.sent(c)
                 logprobs = self._chat_logprobs(delta, request.top_logprobs) if request.logprobs else None
                 yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
                               "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-            final = output
         if includes_usage(request):
-            yield chunk([], _usage(plans, [final]))
+            yield chunk([], _usage(plans, sum(progress.tokens for progress in sent.values())))
         yield "data: [DONE]\n\n"
 
     # -- running requests -------------------------------------------------------------------
@@ -244,12 +242,15 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index, ids, params):
+            choices: dict[int, tuple[int, str | None]] = {}  # (tokens, finish reason) of each, over all outputs
             try:
                 async for output in self.engine.generate(ids, params, response_id(prefix)):
                     output = shown(output) if shown is not None else output
+                    for c in output.outputs:  # outputs that are deltas add up; a final one is the whole
+                        choices[c.index] = (choices.get(c.index, (0, None))[0] + len(c.token_ids), c.finish_reason)
                     await queue.put((index, output))
                     if output.finished:
-                        self.on_finished(output)
+                        self.on_finished(output, [choices[i] for i in sorted(choices)])
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # hand the failure to the consumer
@@ -385,7 +386,12 @@ def _prompt_logprobs(output: RequestOutput, num_top: int | None) -> dict:
     return {"prompt_logprobs": entries}
 
 
-def _usage(plans, finals) -> dict:
+def _generated(finals: list[RequestOutput]) -> int:
+    """Tokens the choices of whole (final) outputs hold."""
+    return sum(len(c.token_ids) for output in finals for c in output.outputs)
+
+
+def _usage(plans, completion: int) -> dict:
+    """OpenAI's ``usage``: the plans' prompt tokens, and ``completion`` generated tokens."""
     prompt = sum(len(ids) for ids, _ in plans)
-    completion = sum(len(c.token_ids) for output in finals for c in output.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -17,22 +17,33 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class ChoiceProgress:
-    """What a stream has sent of one choice: characters, tokens, the legacy logprobs' text
-    offset, and whether its finishing chunk went out."""
+    """One choice of a stream whose outputs are deltas (``RequestOutputKind.DELTA``): the tokens
+    it generated, the part taken but not sent yet (a stream sends nothing while the text has
+    not grown, as when a character is split over tokens), the legacy logprobs' text offset, and
+    whether its finishing chunk went out."""
 
-    chars: int = 0
     tokens: int = 0
+    unsent: CompletionOutput | None = None
     text_offset: int = 0
     done: bool = False
 
-    def delta(self, c: CompletionOutput) -> CompletionOutput:
-        """The part of ``c`` not sent yet."""
-        return CompletionOutput(c.index, c.text[self.chars:], c.token_ids[self.tokens:], None,
-                                None if c.logprobs is None else c.logprobs[self.tokens:])
+    def take(self, c: CompletionOutput) -> CompletionOutput:
+        """The delta ``c``, after whatever was taken and not sent: what a chunk would send now."""
+        self.tokens += len(c.token_ids)
+        held, self.unsent = self.unsent, None
+        if held is None:
+            return c
+        logprobs = None if c.logprobs is None else (held.logprobs or ()) + c.logprobs
+        return dataclasses.replace(c, text=held.text + c.text, token_ids=held.token_ids + c.token_ids,
+                                   logprobs=logprobs)
 
-    def advance(self, c: CompletionOutput) -> None:
-        """Record ``c`` as sent."""
-        self.chars, self.tokens, self.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+    def hold(self, c: CompletionOutput) -> None:
+        """Keep ``c`` (from :meth:`take`) for the next chunk."""
+        self.unsent = c
+
+    def sent(self, c: CompletionOutput) -> None:
+        """Record ``c`` (from :meth:`take`) as sent."""
+        self.done = c.finish_reason is not None
 
 
 def includes_usage(request) -> bool:

@@ -280,6 +280,12 @@ def test_metrics_count_finished_requests_by_reason_and_size(url, client):
     client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=0)
     scored = {name: sample(name) for name in before}
     assert [scored[name] - after[name] for name in before] == [1, 0, 1]
+    # A stream's outputs are deltas: the metrics and its usage still count every token of every choice.
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, n=2, seed=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6
+    streamed = {name: sample(name) for name in before}
+    assert [streamed[name] - scored[name] for name in before] == [2, 6, 1]
 
 
 def test_models_tokenize_detokenize_health(url):
