@@ -81,15 +81,9 @@ def _with_blocks(
     them), and the works of `num_steps` as multi-step decodes of that many steps."""
     if counts:
         blocks = block_manager.append_blocks(blocks, counts)
-    if not num_steps:  # only the works of `counts` change (a few a step: one pass to find them)
-        changed = list(works)
-        for i, work in enumerate(works):
-            if work.seq_ids[0] in counts:
-                changed[i] = work.changed(block_table=block_manager.block_table(blocks, work.seq_ids[0]))
-        return blocks, tuple(changed)
     changed = []
     for work in works:
-        seq_id, steps = work.seq_ids[0], num_steps.get(work.seq_ids[0], 1)
+        seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
         if seq_id in counts or steps > 1:
             table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
             work = work.changed(block_table=table, num_steps=steps)

@@ -129,6 +129,12 @@ def _fill_tables(block_tables: np.ndarray, works: Sequence[ScheduledGroupWork]) 
     block_tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = flat
 
 
+def _slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The KV-cache slot of each position (int [T]) of sequence ``rows[i]``, through its row of
+    ``block_tables`` (int32 [rows, max_blocks])."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
+
+
 def _abstract(tree):
     """``tree`` with every array (or ``jax.ShapeDtypeStruct``) as a ``jax.ShapeDtypeStruct`` of
     the same shape, dtype and sharding (those already abstract as they are): what lowering
@@ -210,8 +216,7 @@ class ModelRunner:
                 query_start_loc[row + 1 :] = cursor
         real = slice(0, int(query_start_loc[-1]))
         rows = np.repeat(np.arange(len(works)), np.diff(query_start_loc[: len(works) + 1]))
-        size = self.block_size
-        slot_mapping[real] = block_tables[rows, positions[real] // size] * size + positions[real] % size
+        slot_mapping[real] = _slots(block_tables, rows, positions[real], self.block_size)
         pick = not (decode_only and list(logits_tokens) == list(range(len(works))))
         sizes = self.decode_buckets if not pick else (
             self.token_buckets if len(logits_tokens) > self.max_num_seqs else self.logits_buckets)
@@ -234,7 +239,7 @@ class ModelRunner:
         _fill_tables(tables, works)
         positions = np.fromiter((work.start for work in works), np.int64, n) + 1
         slots = np.full(metadata.slot_mapping.shape, -1, np.int32)
-        slots[:n] = tables[np.arange(n), positions // size] * size + positions % size
+        slots[:n] = _slots(tables, np.arange(n), positions, size)
         tables, slots = jax.device_put((tables, slots), self._inputs)
         return next_inputs.replace(metadata=metadata.replace(block_tables=tables, slot_mapping=slots))
 
