@@ -142,7 +142,8 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
 def all_decode(state, count: int) -> bool:
     """Whether every one of ``count`` sequences decodes in the step after scheduler ``state``:
     all run, none waits or still has prompt to compute."""
-    return not state.waiting and len(state.running) == count and not any(g.in_prefill for g in state.running)
+    return (not state.waiting and state.num_running == count
+            and not any(group.in_prefill for group in state.running_groups))  # rows never are
 
 
 def model_alone_ms(llm: LLM, count: int) -> float:

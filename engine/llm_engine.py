@@ -236,8 +236,8 @@ class LLMEngine:
         (:mod:`engine.multi_step`), and its lookahead is the loop after it.
         """
         ahead, self._lookahead = self._lookahead, None
-        num_steps = self._num_steps if self._num_steps > 1 and multi_step.allowed(self.state.running,
-                                                                                  self.requests) else 1
+        num_steps = self._num_steps if self._num_steps > 1 and multi_step.allowed(
+            self.state.running_request_ids, self.requests) else 1
         self.state, plan = self._plan(ahead, num_steps)
         touched: dict[str, RequestState] = {}
         for request_id, reason in plan.ignored:

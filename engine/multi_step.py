@@ -37,7 +37,7 @@ import numpy as np
 
 from engine import async_scheduling
 from engine.core.records import record
-from engine.core.scheduler import ScheduledGroupWork, SchedulerState, SequenceGroup
+from engine.core.scheduler import ScheduledGroupWork, SchedulerState
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.worker import sampling_rows
@@ -60,12 +60,12 @@ class InFlightSteps:
     last: object
 
 
-def allowed(running: Sequence[SequenceGroup], requests: dict[str, RequestState]) -> bool:
-    """Whether every running request can sample several tokens without the host in between:
-    plain sampling (not beam search), no bad words or structured output, ``min_tokens`` reached by
-    every sequence."""
-    for group in running:
-        request = requests.get(group.request_id)
+def allowed(request_ids: Sequence[str], requests: dict[str, RequestState]) -> bool:
+    """Whether every running request (``request_ids``) can sample several tokens without the
+    host in between: plain sampling (not beam search), no bad words or structured output,
+    ``min_tokens`` reached by every sequence."""
+    for request_id in request_ids:
+        request = requests.get(request_id)
         if request is None or not isinstance(request.params, SamplingParams) or request.steered_by_each_token:
             return False
         if request.params.min_tokens and any(len(seq.token_ids) < request.params.min_tokens

@@ -51,7 +51,9 @@ group samples only in a step that completes every sequence, so its sequences sta
 import dataclasses
 from collections.abc import Iterable
 
-from engine.core import block_manager
+import numpy as np
+
+from engine.core import block_manager, decode_rows
 from engine.core.scheduler_plan import schedule
 from engine.core.scheduler_state import (
     POLICIES,
@@ -108,7 +110,10 @@ def find_group(state: SchedulerState, request_id: str) -> SequenceGroup | None:
     """The live (waiting, running or swapped) group of `request_id`, if any."""
     if request_id not in state.live_ids:
         return None
-    live = state.waiting + state.running + state.swapped
+    rows = state.rows
+    if request_id in rows.request_ids:
+        return decode_rows.group_at(rows, rows.request_ids.index(request_id))
+    live = state.waiting + state.running_groups + state.swapped
     return next((group for group in live if group.request_id == request_id), None)
 
 
@@ -169,6 +174,14 @@ def _without(groups: tuple[SequenceGroup, ...], group: SequenceGroup) -> tuple[S
     return tuple(other for other in groups if other.request_id != group.request_id)
 
 
+def _without_row(rows: decode_rows.DecodeRows, request_id: str) -> decode_rows.DecodeRows:
+    if request_id not in rows.request_ids:
+        return rows
+    keep = np.ones(len(rows), bool)
+    keep[rows.request_ids.index(request_id)] = False
+    return decode_rows.kept(rows, keep)
+
+
 def abort(state: SchedulerState, request_id: str) -> SchedulerState:
     """Finish `request_id` with FINISHED_ABORTED wherever it is (waiting, running, swapped,
     mid-chunk) and free everything it holds. A request that already left is ignored."""
@@ -182,7 +195,8 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
         state,
         blocks=blocks,
         waiting=_without(state.waiting, group),
-        running=_without(state.running, group),
+        running_groups=_without(state.running_groups, group),
+        rows=_without_row(state.rows, request_id),
         swapped=_without(state.swapped, group),
         finished=state.finished + (set_unfinished_status(group, SequenceStatus.FINISHED_ABORTED),),
         live_ids=state.live_ids.remove(request_id),
@@ -192,24 +206,23 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
 def reset_prefix_cache(state: SchedulerState) -> SchedulerState | None:
     """The state with an empty prefix cache, or None while requests run or are swapped out
     (they hold blocks: wait until they finish, or abort them)."""
-    if state.running or state.swapped or state.pending is not None:
+    if state.num_running or state.swapped or state.pending is not None:
         return None
     return dataclasses.replace(state, blocks=block_manager.reset_prefix_cache(state.blocks))
 
 
 def stats(state: SchedulerState) -> SchedulerStats:
     """Queue lengths, preemptions, device KV usage and the block manager's accounting."""
-    num_tokens = {
-        seq.seq_id: seq.num_computed_tokens
-        for group in state.running
-        for seq in group.unfinished_seqs
-    }
+    rows = state.rows
+    num_tokens = dict(zip(rows.seq_ids.tolist(), (rows.lengths - 1).tolist()))
+    num_tokens.update((seq.seq_id, seq.num_computed_tokens)
+                      for group in state.running_groups for seq in group.unfinished_seqs)
     blocks = block_manager.stats(state.blocks, num_tokens)
     return SchedulerStats(
-        num_running=len(state.running),
+        num_running=state.num_running,
         num_waiting=len(state.waiting),
         num_swapped=len(state.swapped),
-        num_running_seqs=sum(len(group.unfinished_seqs) for group in state.running),
+        num_running_seqs=len(num_tokens),
         num_preemptions=state.num_preemptions,
         num_swap_outs=state.num_swap_outs,
         kv_usage=blocks.device_blocks_used / blocks.device_blocks_total,

@@ -1,67 +1,58 @@
 """Blocks reserved before tokens need them: the next token's block (async scheduling's
 lookaheads) and the slots of a multi-step decode's loops. Part of `schedule()`
-(`engine.core.scheduler_plan`); each function takes the step's block state, works and running
-groups, and returns them with the blocks appended and the works naming them."""
+(`engine.core.scheduler_plan`); each function takes the step's block state, its works and the
+tokens each sequence may still generate, and returns them with the blocks appended and the
+works naming them."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from engine.core import block_manager, sequence
+from engine.core import block_manager
 from engine.core.block_manager import BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.scheduler_state import ScheduledGroupWork, SchedulerConfig
-from engine.core.sequence import SequenceGroup
 
 Works = tuple[ScheduledGroupWork, ...]
 
 
 def reserve_next_blocks(
-    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], running: Sequence[SequenceGroup],
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], tokens_left: Callable[[], Mapping[int, int]],
     config: SchedulerConfig,
 ) -> tuple[BlockManagerState, Works]:
     """Give each decode whose next token opens a block that block now
     (`SchedulerConfig.reserve_next_block`), in order while the pool has blocks; the decode's
     work then names it. Not for groups that may fork (beam search: a fork would share the
     block only to copy it), and only for a sequence that samples again after this step (within
-    max_tokens and max_model_len)."""
+    max_tokens and max_model_len). `tokens_left()` gives, per sequence of a group that does not
+    fork, the tokens it may still generate (called only when a decode opens a block)."""
     size, max_model_len = config.block_manager.block_size, config.max_model_len
     opening = [work.seq_ids[0] for work in works if not work.is_prefill
                and len(work.block_table) * size <= work.start + len(work.token_ids) < max_model_len]
     if not opening:  # most steps: every next token's slot is in its table already
         return blocks, tuple(works)
-    wanted, seqs = {}, _running_seqs(running, set(opening))
+    wanted, left = {}, tokens_left()
     budget = block_manager.num_free_device_blocks(blocks)
     for seq_id in opening:
-        group, seq = seqs.get(seq_id, (None, None))
-        if group is not None and len(seq.output_token_ids) + 1 < group.max_tokens:
+        if left.get(seq_id, 0) > 1:
             fresh = block_manager.num_fresh_blocks(blocks, seq_id, 1)
             if fresh <= budget:
                 wanted[seq_id], budget = 1, budget - fresh
     return _with_blocks(blocks, works, wanted)
 
 
-def _running_seqs(running: Sequence[SequenceGroup], seq_ids: set[int]
-                  ) -> dict[int, tuple[SequenceGroup, sequence.Sequence]]:
-    """The group and record of each of `seq_ids` that runs in a group that does not fork."""
-    return {seq.seq_id: (group, seq) for group in running if not group.may_fork
-            for seq in group.seqs if seq.seq_id in seq_ids}
-
-
 def reserve_steps(
-    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], running: Sequence[SequenceGroup],
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], tokens_left: Mapping[int, int],
     num_steps: int, config: SchedulerConfig, ahead: bool,
 ) -> tuple[BlockManagerState, Works] | None:
     """The decodes `works` (one sequence each) as multi-step decodes of up to `num_steps`
-    tokens each (within the sequence's `max_tokens` and `max_model_len`), with the blocks their
-    slots need; None when the pool cannot give them all. `ahead`
-    (`SchedulerConfig.reserve_next_block`, nothing waiting): also the slots of the loop after,
-    when the pool has them all, so that the engine can dispatch that loop before this one's
-    tokens are known."""
+    tokens each (within the sequence's `max_tokens`, of which it has `tokens_left[seq_id]`
+    to generate, and `max_model_len`), with the blocks their slots need; None when the pool
+    cannot give them all. `ahead` (`SchedulerConfig.reserve_next_block`, nothing waiting): also
+    the slots of the loop after, when the pool has them all, so that the engine can dispatch
+    that loop before this one's tokens are known."""
     size, steps, now, later = config.block_manager.block_size, {}, {}, {}
-    seqs = {seq.seq_id: (group, seq) for group in running for seq in group.unfinished_seqs}
     for work in works:
         (seq_id,) = work.seq_ids
-        group, seq = seqs[seq_id]
-        left = min(group.max_tokens - len(seq.output_token_ids), config.max_model_len - work.start)
+        left = min(tokens_left[seq_id], config.max_model_len - work.start)
         steps[seq_id] = min(num_steps, left)
         now[seq_id] = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
         later[seq_id] = blocks_for(work.start + min(2 * num_steps, left), size) - len(work.block_table)

@@ -2,12 +2,15 @@
 
 import collections
 import dataclasses
+import functools
 import operator
 
 from engine.core import admission, block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
+from engine.core.decode_rows import NO_ROWS, DecodeRows
 from engine.core.records import record
+from engine.core.scheduler_decodes import Decodes, plan_rows, tokens_left
 from engine.core.scheduler_state import (
     ScheduledGroupWork,
     SchedulerConfig,
@@ -21,9 +24,11 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_un
 
 @record
 class _PartialPlan:
-    """What schedule() has decided so far in one step."""
+    """What schedule() has decided so far in one step: `rows` and `running` run (the groups
+    held as rows, and the others as records)."""
 
     blocks: BlockManagerState
+    rows: DecodeRows = NO_ROWS
     running: tuple[SequenceGroup, ...] = ()
     work: tuple[ScheduledGroupWork, ...] = ()
     num_tokens: int = 0
@@ -41,7 +46,7 @@ def _group_work(
     blocks: BlockManagerState, group: SequenceGroup, seqs: tuple[Sequence, ...], length: int, do_sample: bool
 ) -> ScheduledGroupWork:
     """The next `length` uncomputed tokens of seqs[0], written for all of `seqs`, through the
-    blocks they need (a prefill's; `_Decodes` makes the decodes' works)."""
+    blocks they need (a prefill's; `scheduler_decodes` makes the decodes' works)."""
     first, size = seqs[0], blocks.config.block_size
     start = first.num_computed_tokens
     table = block_manager.block_table(blocks, first.seq_id)
@@ -101,72 +106,19 @@ def _add_to_batch(
     )
 
 
-class _Decodes:
-    """Decoding groups given their slots since the plan was last updated, with the block state
-    after them and the device blocks still available; `add_to` puts them all into a plan in one
-    update. (A step's decodes are most of its groups, and adding them one at a time cost a
-    copy of the plan each.)"""
-
-    def __init__(self, blocks: BlockManagerState):
-        self.blocks, self.groups, self.work, self.copies = blocks, [], [], []
-        self.free = block_manager.num_free_device_blocks(blocks)
-        self.block_size = blocks.config.block_size
-
-    def add_single(self, group: SequenceGroup) -> bool:
-        """`add` for a group of one sequence (most decodes) when the pool has what it needs,
-        which it finds in the same pass; False, and nothing added, when it does not. The common
-        case, a slot in a block only this sequence holds, changes no block state."""
-        (seq,) = group.seqs
-        start = seq.num_computed_tokens
-        assert seq.len - start == 1, "a decoding sequence computes one token"
-        table, index = self.blocks.seqs[seq.seq_id].block_table, start // self.block_size
-        if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:  # a new block, or a copy
-            needs = block_manager.append_needs(self.blocks, group.seqs)
-            if needs > self.free:
-                return False
-            self.free -= needs
-            self.blocks, copy = block_manager.append_slot(self.blocks, seq)
-            if copy:
-                self.copies.append(copy)
-            table = self.blocks.seqs[seq.seq_id].block_table
-        token = seq.output_token_ids[-1:] if seq.output_token_ids else seq.tokens(start, start + 1)
-        self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), token, start, table, False, True))
-        self.groups.append(group)
-        return True
-
-    def needs(self, group: SequenceGroup) -> int:
-        """The blocks `add` takes from the pool for `group` (`block_manager.append_needs` on the
-        blocks after the groups added so far); it can when they are at most `free`."""
-        return block_manager.append_needs(self.blocks, group.unfinished_seqs)
-
-    def add(self, group: SequenceGroup, needs: int | None = None) -> None:
-        """Give every sequence of `group` a writable slot for its last token and schedule that
-        token (the pool has the blocks, `needs` of them when given)."""
-        self.free -= self.needs(group) if needs is None else needs
-        for seq in group.unfinished_seqs:
-            start = seq.num_computed_tokens
-            assert seq.len - start == 1, "a decoding sequence computes one token"
-            self.blocks, copy = block_manager.append_slot(self.blocks, seq)
-            if copy:
-                self.copies.append(copy)
-            # Its whole table: blocks reserved ahead too (a lookahead writes there).
-            self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), seq.tokens(start, start + 1), start,
-                                                self.blocks.seqs[seq.seq_id].block_table, group.in_prefill, True))
-        self.groups.append(group)
-
-    def add_to(self, step: _PartialPlan) -> _PartialPlan:
-        """`step` with these groups and their work (its blocks must be the ones they started from)."""
-        if not self.groups:
-            return step
-        assert self.free == block_manager.num_free_device_blocks(self.blocks), "the decodes' blocks were miscounted"
-        return _add_to_batch(step, tuple(self.groups), tuple(self.work), self.blocks, tuple(self.copies))
+def _add_decodes(step: _PartialPlan, decodes: Decodes) -> _PartialPlan:
+    """`step` with the groups of `decodes` and their work (its blocks must be the ones they started from)."""
+    if not decodes.groups:
+        return step
+    assert decodes.free == block_manager.num_free_device_blocks(decodes.blocks), "the decodes' blocks were miscounted"
+    return _add_to_batch(step, tuple(decodes.groups), tuple(decodes.work), decodes.blocks, tuple(decodes.copies))
 
 
 def _schedule_decode(step: _PartialPlan, group: SequenceGroup) -> _PartialPlan:
     """Give every sequence of `group` a writable slot for its last token and schedule that token."""
-    decodes = _Decodes(step.blocks)
+    decodes = Decodes(step.blocks)
     decodes.add(group)
-    return decodes.add_to(step)
+    return _add_decodes(step, decodes)
 
 
 def _schedule_prefill_chunk(step: _PartialPlan, group: SequenceGroup, config: SchedulerConfig) -> _PartialPlan:
@@ -234,9 +186,18 @@ def _preempt(step: _PartialPlan, group: SequenceGroup, mode: str | None) -> _Par
 def _schedule_running(state: SchedulerState) -> _PartialPlan:
     """Keep running groups in FCFS order; a decoding group that cannot get its slots preempts
     the most recently arrived groups (itself last). Prefills continue within the token budget
-    left after all decodes."""
-    step, queue = _PartialPlan(blocks=state.blocks), collections.deque(state.running)
-    prefilling, decodes = [], _Decodes(state.blocks)
+    left after all decodes. Decodes held as rows are planned from their columns
+    (`scheduler_decodes.plan_rows`) unless a group decodes as a record or a block runs short."""
+    if len(state.rows) and all(group.in_prefill for group in state.running_groups):
+        planned = plan_rows(state.rows, state.blocks)
+        if planned is not None:
+            blocks, works, copies = planned
+            step = _PartialPlan(blocks=blocks, rows=state.rows, work=works, num_tokens=len(works),
+                                num_seqs=len(works), copies=copies)
+            return _schedule_prefills(step, state.running_groups, state.config)
+    state = state.without_rows()
+    step, queue = _PartialPlan(blocks=state.blocks), collections.deque(state.running_groups)
+    prefilling, decodes = [], Decodes(state.blocks)
     while queue:
         group = queue.popleft()
         if group.in_prefill:
@@ -246,18 +207,22 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
             continue
         needs = decodes.needs(group)
         if needs > decodes.free:
-            step, preempted_itself, needs = decodes.add_to(step), False, None
+            step, preempted_itself, needs = _add_decodes(step, decodes), False, None
             while not preempted_itself and not block_manager.can_append_slots(step.blocks, group):
                 victim = queue.pop() if queue else group
                 step = _preempt(step, victim, state.config.preemption_mode)
                 preempted_itself = victim is group
-            decodes = _Decodes(step.blocks)
+            decodes = Decodes(step.blocks)
             if preempted_itself:
                 continue
         decodes.add(group, needs)
-    step = decodes.add_to(step)
-    for group in prefilling:
-        step = _schedule_prefill_chunk(step, group, state.config)
+    return _schedule_prefills(_add_decodes(step, decodes), prefilling, state.config)
+
+
+def _schedule_prefills(step: _PartialPlan, groups, config: SchedulerConfig) -> _PartialPlan:
+    """`step` with the next prefill chunk of each of `groups`, in order, within its budget."""
+    for group in groups:
+        step = _schedule_prefill_chunk(step, group, config)
     return step
 
 
@@ -342,14 +307,16 @@ def schedule(
     swapped, waiting = state.swapped, state.waiting
     if admit and not step.preempted:
         step, swapped = _take_in_order(step, swapped, config, admission.swap_in_status, _swap_in)
-        if not swapped and (config.policy == "fcfs" or not step.running):
+        if not swapped and (config.policy == "fcfs" or not (step.running or len(step.rows))):
             step, waiting = _take_in_order(step, waiting, config, admission.admission_status, _admit)
     ahead = config.reserve_next_block and not (swapped or waiting)
     reserved = None
     if num_steps > 1 and _only_decodes(step):
-        reserved = scheduler_ahead.reserve_steps(step.blocks, step.work, step.running, num_steps, config, ahead)
+        left = tokens_left(step.rows, step.running)
+        reserved = scheduler_ahead.reserve_steps(step.blocks, step.work, left, num_steps, config, ahead)
     if reserved is None and ahead and not step.preempted:
-        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, step.work, step.running, config)
+        left_later = functools.partial(tokens_left, step.rows, step.running)  # read only when a block opens
+        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, step.work, left_later, config)
     if reserved is not None:
         step = dataclasses.replace(step, blocks=reserved[0], work=reserved[1])
     output = SchedulerOutput(
@@ -364,10 +331,12 @@ def schedule(
         state,
         blocks=step.blocks,
         waiting=_by_arrival(step.to_waiting + waiting),
-        running=_by_arrival(step.running),
+        running_groups=_by_arrival(step.running),
+        rows=step.rows,
         swapped=_by_arrival(swapped + step.to_swapped),
         finished=step.ignored,
         pending=output,
+        pending_rows=step.rows if len(step.rows) else None,
         num_preemptions=state.num_preemptions + len(step.preempted),
         num_swap_outs=state.num_swap_outs + len(step.to_swapped),
         live_ids=without_ids(state.live_ids, step.ignored),

@@ -3,11 +3,14 @@
 `engine.core.scheduler` holds the functions over them (and re-exports these names).
 """
 
+import dataclasses
 
 from rpds import HashTrieSet
 
+from engine.core import decode_rows
 from engine.core.block_manager import BlockManagerConfig, BlockManagerState, ConfigError
 from engine.core.block_stats import BlockManagerStats
+from engine.core.decode_rows import NO_ROWS, DecodeRows
 from engine.core.records import record
 from engine.core.sequence import SequenceGroup, SequenceStatus
 
@@ -183,24 +186,53 @@ Action = Append | AppendMany | Fork | Finish | Drop
 class SchedulerState:
     """Queues ordered by arrival, the block manager, and counters.
 
+    The running groups are `rows` (those of one decoding sequence, as columns:
+    `engine.core.decode_rows`) and `running_groups` (the others: prefilling, several
+    sequences, beam search), each in arrival order; `running` gives them all as records.
     `finished` holds the groups that left during the last schedule() (ignored) and the
     update() / abort() calls since. `pending` is the output of schedule() not yet recorded by
-    update(). `live_ids` holds the request ids of the waiting, running and swapped groups (a
-    persistent set: an arrival checks its id without a scan of every live group).
+    update(); `pending_rows` the rows whose decodes it plans first, one work each in order,
+    when schedule() planned them from the columns. `live_ids` holds the request ids of the
+    waiting, running and swapped groups (a persistent set: an arrival checks its id without a
+    scan of every live group).
     """
 
     config: SchedulerConfig
     blocks: BlockManagerState
     waiting: tuple[SequenceGroup, ...] = ()
-    running: tuple[SequenceGroup, ...] = ()
+    running_groups: tuple[SequenceGroup, ...] = ()
+    rows: DecodeRows = NO_ROWS
     swapped: tuple[SequenceGroup, ...] = ()
     finished: tuple[SequenceGroup, ...] = ()
     pending: SchedulerOutput | None = None
+    pending_rows: DecodeRows | None = None
     next_seq_id: int = 0
     next_arrival: int = 0
     num_preemptions: int = 0
     num_swap_outs: int = 0
     live_ids: HashTrieSet = HashTrieSet()
+
+    @property
+    def running(self) -> tuple[SequenceGroup, ...]:
+        """Every running group as a record, in arrival order (the rows' made afresh: for the
+        paths that want them all, not for a step's)."""
+        return decode_rows.merged(self.rows, self.running_groups)
+
+    @property
+    def running_request_ids(self) -> tuple[str, ...]:
+        """The request ids of the running groups, rows first (no record made)."""
+        return self.rows.request_ids + tuple(group.request_id for group in self.running_groups)
+
+    @property
+    def num_running(self) -> int:
+        """Running groups, rows included."""
+        return len(self.rows) + len(self.running_groups)
+
+    def without_rows(self) -> "SchedulerState":
+        """This state with every running group a record (none held as a row)."""
+        if not len(self.rows):
+            return self
+        return dataclasses.replace(self, running_groups=self.running, rows=NO_ROWS)
 
 
 def without_ids(live_ids: HashTrieSet, groups: tuple[SequenceGroup, ...]) -> HashTrieSet:

@@ -10,7 +10,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from engine.core import block_manager
+import numpy as np
+
+from engine.core import block_manager, decode_rows
 from engine.core.block_manager import BlockManagerState
 from engine.core.scheduler_state import (
     Action,
@@ -148,7 +150,7 @@ def _regroup(
     for child_id, parent_id in parents.items():
         children[parent_id].append(child_id)
     max_model_len = state.config.max_model_len
-    for group in state.running:
+    for group in state.running_groups:
         if len(group.seqs) == 1 and not (children or dropped):  # most groups: one sequence, kept
             blocks, group = _regroup_one(blocks, group, seqs, sampled, max_model_len)
             (finished if group.seqs[0].status.is_finished else running).append(group)
@@ -190,19 +192,77 @@ def _regroup_one(
 
 def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     """Record the step planned by the last schedule(): its tokens are computed, then `actions`
-    (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped."""
+    (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped.
+    The running groups that decode one sequence are then held as rows (`engine.core.decode_rows`)."""
     if state.pending is None:
         raise SchedulerUsageError("update() records the step planned by schedule(); call it first")
     actions = list(actions)
+    updated = _update_rows(state, actions)
+    if updated is not None:
+        return updated
+    state = state.without_rows()
     updated = _one_token_each(state, actions)
-    return updated if updated is not None else update_in_general(state, actions)
+    return _settle(updated if updated is not None else update_in_general(state, actions))
+
+
+def _settle(state: SchedulerState) -> SchedulerState:
+    """`state` with its running groups that qualify (`decode_rows.qualifies`) held as rows."""
+    entering = [group for group in state.running_groups if decode_rows.qualifies(group)]
+    if not entering:
+        return state
+    return dataclasses.replace(
+        state, running_groups=tuple(group for group in state.running_groups if not decode_rows.qualifies(group)),
+        rows=decode_rows.enter(state.rows, entering))
+
+
+def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
+    """`update` for a step of the rows' decodes alone, planned from the rows as they are (no
+    abort since), with actions in the rows' order: one Append or AppendMany each, a Finish
+    after it where the sequence stopped. From the columns: records are made again only for the
+    rows that filled a block or end. None for any other step (the general path then applies
+    the actions, or says what is wrong with them)."""
+    rows, works = state.rows, state.pending.scheduled
+    if state.pending_rows is not rows or state.running_groups or len(works) != len(rows):
+        return None
+    seq_ids, new, ended, count = rows.seq_ids.tolist(), [], {}, len(rows)
+    for action in actions:
+        kind, row = type(action), len(new)
+        if kind is Append and row < count and action.seq_id == seq_ids[row]:
+            new.append((action.token_id,))
+        elif (kind is AppendMany and row < count and action.seq_id == seq_ids[row]
+              and 1 <= len(action.token_ids) <= works[row].num_steps):
+            new.append(action.token_ids)
+        elif (kind is Finish and row and action.seq_id == seq_ids[row - 1] and row - 1 not in ended
+              and action.status.is_finished and action.status is not SequenceStatus.FINISHED_IGNORED):
+            ended[row - 1] = action.status
+        else:
+            return None
+    if len(new) != count:
+        return None
+    before, rows = rows.lengths, decode_rows.appended(rows, new)
+    size, config = state.config.block_manager.block_size, state.config
+    filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
+    blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
+    for row in ended:
+        blocks = block_manager.free(blocks, seq_ids[row])
+    for row in np.flatnonzero((rows.num_output >= rows.max_tokens) | (rows.lengths > config.max_model_len)).tolist():
+        if row not in ended:
+            ended[row] = SequenceStatus.FINISHED_LENGTH
+            blocks = block_manager.free(blocks, seq_ids[row])
+    finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
+    if ended:
+        keep = np.ones(count, bool)
+        keep[list(ended)] = False
+        rows = decode_rows.kept(rows, keep)
+    return dataclasses.replace(state, blocks=blocks, rows=rows, finished=state.finished + finished, pending=None,
+                               pending_rows=None, live_ids=without_ids(state.live_ids, finished))
 
 
 def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:
     """Whether the step is `_one_token_each`'s: every running group has one sequence, each
     sampled by its own work (in the same order), and the actions are one Append or AppendMany
     of that sequence each, in that order, within its work's steps."""
-    works, running = state.pending.scheduled, state.running
+    works, running = state.pending.scheduled, state.running_groups
     if not len(works) == len(running) == len(actions):
         return False
     for group, work, action in zip(running, works, actions):
@@ -223,7 +283,7 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
     if not _fits_one_token_each(state, actions):
         return None
     seqs = []
-    for group, work, action in zip(state.running, state.pending.scheduled, actions):
+    for group, work, action in zip(state.running_groups, state.pending.scheduled, actions):
         seq = group.seqs[0]
         assert seq.num_computed_tokens == work.start
         new = (action.token_id,) if type(action) is Append else action.token_ids
@@ -232,7 +292,7 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
                              work.start + len(work.token_ids) + len(new) - 1))
     blocks = block_manager.mark_computed(state.blocks, seqs)
     running, finished, max_model_len = [], [], state.config.max_model_len
-    for group, seq in zip(state.running, seqs):
+    for group, seq in zip(state.running_groups, seqs):
         if _reached_length(seq, group.max_tokens, max_model_len):
             seq = dataclasses.replace(seq, status=SequenceStatus.FINISHED_LENGTH)
             blocks = block_manager.free(blocks, seq.seq_id)
@@ -240,14 +300,15 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
         else:
             running.append(group.with_seqs((seq,), in_prefill=False))
     finished = tuple(finished)
-    return dataclasses.replace(state, blocks=blocks, running=tuple(running), finished=state.finished + finished,
-                               pending=None, live_ids=without_ids(state.live_ids, finished))
+    return dataclasses.replace(state, blocks=blocks, running_groups=tuple(running), finished=state.finished + finished,
+                               pending=None, pending_rows=None, live_ids=without_ids(state.live_ids, finished))
 
 
 def update_in_general(state: SchedulerState, actions: list[Action]) -> SchedulerState:
     """`update` for any step: the actions checked against it (SchedulerUsageError for a
-    mismatch) and applied by kind."""
-    seqs = {seq.seq_id: seq for group in state.running for seq in group.seqs}
+    mismatch) and applied by kind; every running group a record after it."""
+    state = state.without_rows()
+    seqs = {seq.seq_id: seq for group in state.running_groups for seq in group.seqs}
     computed, sampled = _computed_counts(state.pending, seqs)
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
     by_kind = {kind: [] for kind in (Append, AppendMany, Fork, Finish, Drop)}
@@ -263,9 +324,10 @@ def update_in_general(state: SchedulerState, actions: list[Action]) -> Scheduler
     return dataclasses.replace(
         state,
         blocks=blocks,
-        running=running,
+        running_groups=running,
         finished=state.finished + finished,
         pending=None,
+        pending_rows=None,
         next_seq_id=max([state.next_seq_id] + [child_id + 1 for child_id in child_ids]),
         live_ids=without_ids(state.live_ids, finished),
     )

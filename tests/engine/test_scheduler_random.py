@@ -15,9 +15,9 @@ import hypothesis.strategies as st
 from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.core import block_manager, scheduler, scheduler_plan, scheduler_update
+from engine.core import block_manager, decode_rows, scheduler, scheduler_decodes, scheduler_update
 from engine.core.sequence import SequenceStatus
-from tests.engine.fake_engine import FakeCache, make_config, sample, serve
+from tests.engine.fake_engine import FakeCache, make_config, model_actions, sample, serve
 
 SETTINGS = settings.get_profile(os.environ.get("ENGINE_HYPOTHESIS_PROFILE", "engine"))
 
@@ -71,6 +71,38 @@ def test_outputs_do_not_depend_on_memory_pressure(config, arrivals, num_steps):
     for request_id, outputs in results.items():
         if "FINISHED_IGNORED" not in {status for _, status in outputs}:
             assert outputs == expected[request_id]
+
+
+def _trace(config, requests, num_steps):
+    """Every plan and every state after update of `fake_engine.serve`'s run of `requests`, the
+    states with every running group a record."""
+    state, cache, trace = scheduler.initial_state(config), FakeCache(config.block_manager.block_size), []
+    for step in range(500):
+        for arrival, request_id, prompt, num_seqs, max_tokens in requests:
+            if arrival == step:
+                state = scheduler.add_request(state, request_id, prompt, max_tokens=max_tokens, num_seqs=num_seqs,
+                                              expected_output_len=max_tokens, may_fork=request_id.startswith("beam"))
+        state, out = scheduler.schedule(state, num_steps=num_steps)
+        cache.apply(out)
+        state = scheduler.update(state, model_actions(state, cache.run(state, out)))
+        trace.append((out, state.without_rows()))
+        if not (state.waiting or state.num_running or state.swapped) and step >= max(r[0] for r in requests):
+            return trace
+    raise AssertionError("requests did not finish")
+
+
+@SETTINGS
+@given(config=configs(), arrivals=st.lists(st.tuples(st.integers(0, 4), requests()), min_size=1, max_size=8),
+       num_steps=st.sampled_from([1, 1, 2, 8]))
+def test_decodes_held_as_rows_are_planned_and_recorded_as_records_are(config, arrivals, num_steps):
+    """The scheduler gives the same plans, blocks and outputs at every step whether it holds
+    the running single-sequence decodes as rows (`engine.core.decode_rows`) or as records."""
+    timed = [(arrival, f"{'beam' if i % 3 == 1 else 'req'}{i}", prompt, min(n, config.max_num_seqs), limit)
+             for i, (arrival, (prompt, n, limit, _, _)) in enumerate(arrivals)]
+    with_rows = _trace(config, timed, num_steps)
+    with mock.patch.object(decode_rows, "qualifies", return_value=False):
+        as_records = _trace(config, timed, num_steps)
+    assert with_rows == as_records
 
 
 def draw_actions(data, state: scheduler.SchedulerState, logits: dict) -> list:
@@ -204,9 +236,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         admit = data.draw(st.integers(0, 4)) > 0  # the engine defers admissions behind a lookahead
         num_steps = data.draw(st.sampled_from([1, 1, 2, 4]))
         state, out = scheduler.schedule(self.state, admit=admit, num_steps=num_steps)
-        with mock.patch.object(scheduler_plan._Decodes, "add_single", lambda decodes, group: False):
-            # The one-sequence decodes' shortcut plans what the general path plans.
-            assert scheduler.schedule(self.state, admit=admit, num_steps=num_steps) == (state, out)
+        with mock.patch.object(scheduler_decodes.Decodes, "add_single", lambda decodes, group: False):
+            # The one-sequence decodes' shortcuts (the rows' columns, then `add_single` for
+            # records) plan what the general path plans.
+            as_records, out_of_records = scheduler.schedule(self.state.without_rows(), admit=admit, num_steps=num_steps)
+            assert out_of_records == out
+            assert as_records == dataclasses.replace(state.without_rows(), pending_rows=None)
         check_plan(self.state, state, out)
         if not admit:
             assert not out.blocks_to_swap_in and {g.request_id for g in self.state.waiting} <= {
@@ -236,9 +271,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
         updated = scheduler.update(state, actions)
-        # The one-token-each shortcut (most engine steps) and the general path agree.
-        assert updated == scheduler_update.update_in_general(state, actions)
-        if scheduler_update._fits_one_token_each(state, actions):
+        # The shortcuts (the rows' columns, one token each: most engine steps) and the general
+        # path agree; the general path and a second update of the same state read the rows'
+        # tokens as they were, whatever the first update appended to the lists they share.
+        assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
+        from_rows = scheduler_update._update_rows(state, actions)
+        if from_rows is not None:
+            event("decode rows")
+            assert from_rows == updated
+        if scheduler_update._fits_one_token_each(state.without_rows(), actions):
             event("one token each")
         self._record(("step", admit, num_steps, aborted, tuple(actions)), updated)
         if self.state.blocks.prefix_cache.num_hits:

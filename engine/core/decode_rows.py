@@ -1,0 +1,178 @@
+"""Running decodes of one sequence each, held as columns: the scheduler's steady state.
+
+Most steps, most running groups are one sequence decoding one token. Held as records, every
+step would remake a `Sequence` and a `SequenceGroup` per sequence (its tokens one longer, its
+computed count one more) and walk them all again to find the few that open a block or stop.
+`DecodeRows` holds those groups as rows instead: each group as it entered the rows (its tokens
+then), the tokens appended since, and the counts a step reads and writes as NumPy columns.
+A step changes the columns and appends a token to each row's list; records are made again only
+for rows an event touches (a block to open or one filled, a stop) and for the rare paths that
+want them all (preemption, abort, stats, tests).
+
+The tokens a row gained since it entered sit in a list that later states share: a state reads
+the first ``num_new[i]`` of row i's list, and a step appends after them. A step from a state
+whose lists another step has appended to already (two updates of one state) copies those lists
+first, so every state keeps its own tokens.
+
+A group is a row (`qualifies`) when it runs one sequence that decodes: not in prefill, not a
+beam search (its updates fork). The rows are in arrival order, as the running groups are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from engine.core.records import record
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def _column(values) -> np.ndarray:
+    """A read-only int64 column of `values`."""
+    column = np.array(values, dtype=np.int64)
+    column.flags.writeable = False
+    return column
+
+
+@record(eq=False)
+class DecodeRows:
+    """M running single-sequence decodes, in arrival order (all columns int64 [M]).
+
+    `groups[i]` is row i's group as it entered the rows; `new_tokens[i][: num_new[i]]` the
+    tokens its sequence gained since. `lengths` counts each sequence's tokens now (prompt and
+    output: the next decode computes position ``lengths - 1``, every token before it computed),
+    `num_output` its generated tokens, `last_tokens` its last token.
+    """
+
+    groups: tuple[SequenceGroup, ...]
+    request_ids: tuple[str, ...]
+    seq_ids: np.ndarray
+    arrivals: np.ndarray
+    lengths: np.ndarray
+    num_output: np.ndarray
+    max_tokens: np.ndarray
+    last_tokens: np.ndarray
+    new_tokens: tuple[list[int], ...]
+    num_new: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, DecodeRows):
+            return NotImplemented
+        return (self.groups == other.groups and np.array_equal(self.lengths, other.lengths)
+                and _appended(self) == _appended(other))
+
+    def __hash__(self) -> int:
+        return hash((self.request_ids, self.lengths.tobytes()))
+
+
+def _appended(rows: DecodeRows) -> list[list[int]]:
+    return [tokens[:n] for tokens, n in zip(rows.new_tokens, rows.num_new.tolist())]
+
+
+NO_ROWS = DecodeRows((), (), *([_column([])] * 6), (), _column([]))
+
+
+def qualifies(group: SequenceGroup) -> bool:
+    """Whether `group`, running, is held as a row: one sequence that decodes, and no forks."""
+    return (len(group.seqs) == 1 and not group.in_prefill and not group.may_fork
+            and group.seqs[0].status is SequenceStatus.RUNNING)
+
+
+def _of(groups: Seq[SequenceGroup], new_tokens: Seq[list[int]], num_new: Seq[int]) -> DecodeRows:
+    """Rows of `groups` (which qualify, in order) whose sequences gained `new_tokens[i][: num_new[i]]`
+    since they entered."""
+    seqs = [group.seqs[0] for group in groups]
+    num_output = [len(seq.output_token_ids) + n for seq, n in zip(seqs, num_new)]
+    lasts = [tokens[n - 1] if n else (seq.output_token_ids or seq.prompt_token_ids)[-1]
+             for seq, tokens, n in zip(seqs, new_tokens, num_new)]
+    return DecodeRows(
+        tuple(groups), tuple(group.request_id for group in groups), _column([seq.seq_id for seq in seqs]),
+        _column([group.arrival for group in groups]),
+        _column([len(seq.prompt_token_ids) + n for seq, n in zip(seqs, num_output)]), _column(num_output),
+        _column([group.max_tokens for group in groups]), _column(lasts), tuple(new_tokens), _column(num_new))
+
+
+def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
+    """`rows` with `groups` (which qualify) added as rows, all in arrival order."""
+    if not groups:
+        return rows
+    for group in groups:
+        seq = group.seqs[0]
+        assert seq.num_computed_tokens == seq.len - 1, "a decoding sequence computes one token"
+    everything = list(rows.groups) + list(groups)
+    order = np.argsort(np.concatenate([rows.arrivals, [group.arrival for group in groups]]), kind="stable")
+    tokens = list(rows.new_tokens) + [[] for _ in groups]
+    counts = rows.num_new.tolist() + [0] * len(groups)
+    order = order.tolist()
+    return _of([everything[i] for i in order], [tokens[i] for i in order], [counts[i] for i in order])
+
+
+def kept(rows: DecodeRows, keep: np.ndarray) -> DecodeRows:
+    """The rows where the bool column `keep` [M] is True."""
+    if keep.all():
+        return rows
+    index = np.flatnonzero(keep).tolist()
+    return DecodeRows(
+        tuple(rows.groups[i] for i in index), tuple(rows.request_ids[i] for i in index),
+        *(_column(column[keep]) for column in (rows.seq_ids, rows.arrivals, rows.lengths, rows.num_output,
+                                               rows.max_tokens, rows.last_tokens)),
+        tuple(rows.new_tokens[i] for i in index), _column(rows.num_new[keep]))
+
+
+def appended(rows: DecodeRows, new: Seq[tuple[int, ...]]) -> DecodeRows:
+    """The rows after row i's sequence gained the tokens `new[i]` (its last token computed too:
+    every token but the new last one is)."""
+    lists, num_new, copies = rows.new_tokens, rows.num_new.tolist(), None
+    for i, tokens in enumerate(new):
+        held = lists[i]
+        if len(held) != num_new[i]:  # another state's step appended here: keep those tokens out
+            if copies is None:
+                copies = list(lists)
+            held = copies[i] = held[: num_new[i]]
+        held.extend(tokens)
+    counts = np.fromiter(map(len, new), np.int64, len(new))
+    lasts = np.array([tokens[-1] if tokens else -1 for tokens in new], np.int64)
+    lasts = np.where(counts > 0, lasts, rows.last_tokens)
+    return DecodeRows(
+        rows.groups, rows.request_ids, rows.seq_ids, rows.arrivals, _column(rows.lengths + counts),
+        _column(rows.num_output + counts), rows.max_tokens, _column(lasts),
+        lists if copies is None else tuple(copies), _column(rows.num_new + counts))
+
+
+def sequence_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,
+                num_computed: int | None = None) -> Sequence:
+    """Row i's sequence as a record: with `status`, and every token but the last computed
+    unless `num_computed` says otherwise."""
+    seq, n = rows.groups[i].seqs[0], int(rows.num_new[i])
+    output = seq.output_token_ids + tuple(rows.new_tokens[i][:n]) if n else seq.output_token_ids
+    computed = int(rows.lengths[i]) - 1 if num_computed is None else num_computed
+    return Sequence(seq.seq_id, seq.prompt_token_ids, output, status, computed)
+
+
+def group_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,
+             num_computed: int | None = None) -> SequenceGroup:
+    """Row i's group as a record (see `sequence_at`)."""
+    return rows.groups[i].with_seqs((sequence_at(rows, i, status, num_computed),), in_prefill=False)
+
+
+def all_groups(rows: DecodeRows) -> tuple[SequenceGroup, ...]:
+    """Every row's group as a record, in order."""
+    return tuple(group_at(rows, i) for i in range(len(rows)))
+
+
+def merged(rows: DecodeRows, groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
+    """The rows' groups and `groups` (in arrival order) as one tuple in arrival order."""
+    if not len(rows):
+        return groups
+    if not groups:
+        return all_groups(rows)
+    return tuple(sorted(all_groups(rows) + groups, key=lambda group: group.arrival))
+
+
+def tokens_left(rows: DecodeRows) -> dict[int, int]:
+    """Per row's seq_id, the tokens its sequence may still generate (`max_tokens` bounds them)."""
+    return dict(zip(rows.seq_ids.tolist(), (rows.max_tokens - rows.num_output).tolist()))
