@@ -20,6 +20,7 @@ beam search (its updates fork). The rows are in arrival order, as the running gr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -103,12 +104,23 @@ def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
     for group in groups:
         seq = group.seqs[0]
         assert seq.num_computed_tokens == seq.len - 1, "a decoding sequence computes one token"
-    everything = list(rows.groups) + list(groups)
-    order = np.argsort(np.concatenate([rows.arrivals, [group.arrival for group in groups]]), kind="stable")
-    tokens = list(rows.new_tokens) + [[] for _ in groups]
-    counts = rows.num_new.tolist() + [0] * len(groups)
-    order = order.tolist()
-    return _of([everything[i] for i in order], [tokens[i] for i in order], [counts[i] for i in order])
+    added = _of(groups, [[] for _ in groups], [0] * len(groups))
+    if not len(rows):
+        return added
+    order = np.argsort(np.concatenate([rows.arrivals, added.arrivals]), kind="stable")
+    if added.arrivals[0] > rows.arrivals[-1]:  # most often: the groups arrived after every row
+        order = None
+    return DecodeRows(*(_joined(getattr(rows, field.name), getattr(added, field.name), order)
+                        for field in dataclasses.fields(DecodeRows)))
+
+
+def _joined(first, second, order: np.ndarray | None):
+    """Two rows' column (an array or a tuple), end to end, then taken in `order` if given."""
+    if isinstance(first, np.ndarray):
+        joined = np.concatenate([first, second])
+        return _column(joined if order is None else joined[order])
+    joined = first + second
+    return joined if order is None else tuple(joined[i] for i in order.tolist())
 
 
 def kept(rows: DecodeRows, keep: np.ndarray) -> DecodeRows:

@@ -1,12 +1,15 @@
 """A step's decodes given their slots: as records (`Decodes`), or from the rows' columns
 (`plan_rows`); part of `schedule()` (`engine.core.scheduler_plan`)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from engine.core import block_manager, decode_rows
 from engine.core.block_manager import BlockManagerState
 from engine.core.decode_rows import DecodeRows
 from engine.core.scheduler_state import ScheduledGroupWork
+from engine.core.sequence import Sequence as SeqRecord
 from engine.core.sequence import SequenceGroup
 
 
@@ -23,25 +26,32 @@ class Decodes:
 
     def add_single(self, group: SequenceGroup) -> bool:
         """`add` for a group of one sequence (most decodes) when the pool has what it needs,
-        which it finds in the same pass; False, and nothing added, when it does not. The common
+        which it finds in the same pass; False, and nothing added, when it does not."""
+        work = self.single_work(group.request_id, group.seqs[0])
+        if work is None:
+            return False
+        self.work.append(work)
+        self.groups.append(group)
+        return True
+
+    def single_work(self, request_id: str, seq: SeqRecord) -> ScheduledGroupWork | None:
+        """The decode of `seq`, the one sequence of request `request_id`, given a writable
+        slot; None, and nothing changed, when the pool lacks the block it needs. The common
         case, a slot in a block only this sequence holds, changes no block state."""
-        (seq,) = group.seqs
         start = seq.num_computed_tokens
         assert seq.len - start == 1, "a decoding sequence computes one token"
         table, index = self.blocks.seqs[seq.seq_id].block_table, start // self.block_size
         if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:  # a new block, or a copy
-            needs = block_manager.append_needs(self.blocks, group.seqs)
+            needs = block_manager.append_needs(self.blocks, (seq,))
             if needs > self.free:
-                return False
+                return None
             self.free -= needs
             self.blocks, copy = block_manager.append_slot(self.blocks, seq)
             if copy:
                 self.copies.append(copy)
             table = self.blocks.seqs[seq.seq_id].block_table
         token = seq.output_token_ids[-1:] if seq.output_token_ids else seq.tokens(start, start + 1)
-        self.work.append(ScheduledGroupWork(group.request_id, (seq.seq_id,), token, start, table, False, True))
-        self.groups.append(group)
-        return True
+        return ScheduledGroupWork(request_id, (seq.seq_id,), token, start, table, False, True)
 
     def needs(self, group: SequenceGroup) -> int:
         """The blocks `add` takes from the pool for `group` (`block_manager.append_needs` on the
@@ -64,34 +74,49 @@ class Decodes:
         self.groups.append(group)
 
 
-def plan_rows(rows: DecodeRows, blocks: BlockManagerState
-              ) -> tuple[BlockManagerState, tuple[ScheduledGroupWork, ...], tuple[tuple[int, int], ...]] | None:
-    """The decodes of `rows`, as `Decodes.add_single` plans each (the same works and block
-    operations, in the same order), from the columns: only a row whose token starts a block
-    (one to open, reserved ahead, or shared) reads its record. Returns the blocks after them,
-    their works and the copies they need; None when the pool lacks a block one needs (then the
-    records' path preempts)."""
-    size, entries, works, copies, free = blocks.config.block_size, blocks.seqs, [], [], None
+def plan_rows(rows: DecodeRows, blocks: BlockManagerState, groups: Sequence[SequenceGroup] = ()) -> Decodes | None:
+    """The decodes of `rows` and of the decoding record groups `groups` (in arrival order),
+    all in arrival order, as the records' path plans them (`Decodes.add_single` for a row:
+    the same works and block operations, in the same order). A row is planned from the
+    columns; only one whose token starts a block (one to open, reserved ahead, or shared) has
+    its record made. Returns them as `Decodes` (whose `groups` are the record groups alone);
+    None when the pool lacks a block one needs (then the records' path preempts)."""
+    decodes, size, entries = Decodes(blocks), blocks.config.block_size, blocks.seqs
+    at = np.searchsorted(rows.arrivals, [group.arrival for group in groups]).tolist()
     starts = (rows.lengths - 1).tolist()
     for i, (request_id, seq_id, start, token) in enumerate(
             zip(rows.request_ids, rows.seq_ids.tolist(), starts, rows.last_tokens.tolist())):
-        table = entries[seq_id].block_table
-        # Within a block, the slot is in the row's last block, which no other sequence holds
-        # (only full blocks are shared, by the prefix cache; rows do not fork).
-        if start % size == 0 and (start // size == len(table) or blocks.device.refcounts[table[start // size]] > 1):
-            free = block_manager.num_free_device_blocks(blocks) if free is None else free
-            seq = decode_rows.sequence_at(rows, i)
-            needs = block_manager.append_needs(blocks, (seq,))
-            if needs > free:
+        while at and at[0] == i:
+            if not _add_group(decodes, groups[len(groups) - len(at)]):
                 return None
-            free -= needs
-            blocks, copy = block_manager.append_slot(blocks, seq)
-            if copy:
-                copies.append(copy)
-            table = blocks.seqs[seq_id].block_table
-        works.append(ScheduledGroupWork(request_id, (seq_id,), (token,), start, table, False, True))
-    assert free is None or free == block_manager.num_free_device_blocks(blocks), "the rows' blocks were miscounted"
-    return blocks, tuple(works), tuple(copies)
+            at.pop(0)
+        # Within a block, the slot is in the row's last block, which no other sequence holds
+        # (only full blocks are shared, by the prefix cache; rows do not fork). Other rows'
+        # and groups' slots change no row's entry, so `entries` holds this one's still.
+        table, index = entries[seq_id].block_table, start // size
+        if start % size == 0 and (index == len(table) or decodes.blocks.device.refcounts[table[index]] > 1):
+            work = decodes.single_work(request_id, decode_rows.sequence_at(rows, i))
+            if work is None:
+                return None
+            decodes.work.append(work)
+        else:
+            decodes.work.append(ScheduledGroupWork(request_id, (seq_id,), (token,), start, table, False, True))
+    for group in groups[len(groups) - len(at):]:
+        if not _add_group(decodes, group):
+            return None
+    return decodes
+
+
+def _add_group(decodes: Decodes, group: SequenceGroup) -> bool:
+    """Add the decoding record `group` to `decodes` as the records' path does; False when the
+    pool lacks its blocks."""
+    if len(group.seqs) == 1 and decodes.add_single(group):
+        return True
+    needs = decodes.needs(group)
+    if needs > decodes.free:
+        return False
+    decodes.add(group, needs)
+    return True
 
 
 def tokens_left(rows: DecodeRows, groups: Iterable[SequenceGroup]) -> dict[int, int]:

@@ -108,7 +108,7 @@ def _add_to_batch(
 
 def _add_decodes(step: _PartialPlan, decodes: Decodes) -> _PartialPlan:
     """`step` with the groups of `decodes` and their work (its blocks must be the ones they started from)."""
-    if not decodes.groups:
+    if not decodes.work:
         return step
     assert decodes.free == block_manager.num_free_device_blocks(decodes.blocks), "the decodes' blocks were miscounted"
     return _add_to_batch(step, tuple(decodes.groups), tuple(decodes.work), decodes.blocks, tuple(decodes.copies))
@@ -187,14 +187,14 @@ def _schedule_running(state: SchedulerState) -> _PartialPlan:
     """Keep running groups in FCFS order; a decoding group that cannot get its slots preempts
     the most recently arrived groups (itself last). Prefills continue within the token budget
     left after all decodes. Decodes held as rows are planned from their columns
-    (`scheduler_decodes.plan_rows`) unless a group decodes as a record or a block runs short."""
-    if len(state.rows) and all(group.in_prefill for group in state.running_groups):
-        planned = plan_rows(state.rows, state.blocks)
-        if planned is not None:
-            blocks, works, copies = planned
-            step = _PartialPlan(blocks=blocks, rows=state.rows, work=works, num_tokens=len(works),
-                                num_seqs=len(works), copies=copies)
-            return _schedule_prefills(step, state.running_groups, state.config)
+    (`scheduler_decodes.plan_rows`, with the records that decode) unless a block runs short."""
+    if len(state.rows):
+        decoding = [group for group in state.running_groups if not group.in_prefill]
+        decodes = plan_rows(state.rows, state.blocks, decoding)
+        if decodes is not None:
+            step = _add_decodes(_PartialPlan(blocks=state.blocks, rows=state.rows, num_seqs=len(state.rows)), decodes)
+            return _schedule_prefills(step, [group for group in state.running_groups if group.in_prefill],
+                                      state.config)
     state = state.without_rows()
     step, queue = _PartialPlan(blocks=state.blocks), collections.deque(state.running_groups)
     prefilling, decodes = [], Decodes(state.blocks)

@@ -8,12 +8,13 @@ parallel sampling and beam search map onto actions.
 
 import collections
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from engine.core import block_manager, decode_rows
 from engine.core.block_manager import BlockManagerState
+from engine.core.decode_rows import NO_ROWS
 from engine.core.scheduler_state import (
     Action,
     Append,
@@ -29,6 +30,11 @@ from engine.core.scheduler_state import (
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Seqs = dict[int, Sequence]
+BlocksStep = Callable[[BlockManagerState], BlockManagerState]
+
+
+def _same(blocks: BlockManagerState) -> BlockManagerState:
+    return blocks
 
 
 def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int], dict[int, int]]:
@@ -103,10 +109,12 @@ def _end(blocks: BlockManagerState, seqs: Seqs, seq_id: int, status: SequenceSta
 
 
 def _apply(
-    blocks: BlockManagerState, seqs: Seqs, computed: dict[int, int], by_kind: dict, child_ids: list
+    blocks: BlockManagerState, seqs: Seqs, computed: dict[int, int], by_kind: dict, child_ids: list,
+    after_forks: BlocksStep,
 ) -> tuple[BlockManagerState, dict[int, int], set[int]]:
-    """Apply computed counts, forks, appends, finishes and drops to `seqs` (in place); returns
-    the block state, each child's parent id, and the dropped ids."""
+    """Apply computed counts, forks, appends, finishes and drops to `seqs` (in place), with
+    `after_forks` on the blocks between the forks and the finishes; returns the block state,
+    each child's parent id, and the dropped ids."""
     child_outputs = [
         seqs[fork.parent_seq_id].output_token_ids + (fork.token_id,) for fork in by_kind[Fork]
     ]
@@ -126,6 +134,7 @@ def _apply(
         seqs[child_id] = dataclasses.replace(parent, seq_id=child_id, output_token_ids=output)
         blocks = block_manager.fork(blocks, parent.seq_id, child_id)
         parents[child_id] = parent.seq_id
+    blocks = after_forks(blocks)
     for finish in by_kind[Finish]:
         blocks = _end(blocks, seqs, finish.seq_id, finish.status)
     for drop in by_kind[Drop]:
@@ -216,14 +225,65 @@ def _settle(state: SchedulerState) -> SchedulerState:
 
 
 def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
-    """`update` for a step of the rows' decodes alone, planned from the rows as they are (no
-    abort since), with actions in the rows' order: one Append or AppendMany each, a Finish
-    after it where the sequence stopped. From the columns: records are made again only for the
-    rows that filled a block or end. None for any other step (the general path then applies
-    the actions, or says what is wrong with them)."""
-    rows, works = state.rows, state.pending.scheduled
-    if state.pending_rows is not rows or state.running_groups or len(works) != len(rows):
+    """`update` for a step planned from the rows as they are (no abort since), whose record
+    groups, if any, arrived after every row (so the rows' works and actions come first): each
+    row one Append or AppendMany, in the rows' order, and a Finish after it where the sequence
+    stopped. The rows are recorded from the columns (records made again only for those that
+    filled a block or end), the records as `update_in_general` does, each block operation in
+    the order it makes them. None for any other step (the general path then applies the
+    actions, or says what is wrong with them)."""
+    rows, works, groups = state.rows, state.pending.scheduled, state.running_groups
+    if state.pending_rows is not rows or (groups and groups[0].arrival < rows.arrivals[-1]):
         return None
+    new, ended = _rows_tokens(rows, works, actions)
+    if new is None:
+        return None
+    others = actions[len(new) + len(ended):]
+    if others and not groups:
+        return None
+    if others:
+        ids = set(rows.seq_ids.tolist())
+        if any(_target(action) in ids for action in others):
+            return None
+    before, rows = rows.lengths, decode_rows.appended(rows, new)
+    filled = np.flatnonzero((rows.lengths - 1) // state.config.block_manager.block_size
+                            > (before - 1) // state.config.block_manager.block_size).tolist()
+    blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
+    seq_ids, max_model_len = rows.seq_ids.tolist(), state.config.max_model_len
+
+    def end_stopped(blocks: BlockManagerState) -> BlockManagerState:
+        for row in ended:
+            blocks = block_manager.free(blocks, seq_ids[row])
+        return blocks
+
+    def end_at_length(blocks: BlockManagerState) -> BlockManagerState:
+        for row in np.flatnonzero((rows.num_output >= rows.max_tokens) | (rows.lengths > max_model_len)).tolist():
+            if row not in ended:
+                ended[row] = SequenceStatus.FINISHED_LENGTH
+                blocks = block_manager.free(blocks, seq_ids[row])
+        return blocks
+
+    if groups:
+        pending = dataclasses.replace(state.pending, scheduled=works[len(rows):])
+        after = _update_records(dataclasses.replace(state, blocks=blocks, rows=NO_ROWS, pending=pending), others,
+                                end_stopped, end_at_length)
+    else:
+        after = dataclasses.replace(state, blocks=end_at_length(end_stopped(blocks)), pending=None)
+    finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
+    if ended:
+        keep = np.ones(len(rows), bool)
+        keep[list(ended)] = False
+        rows = decode_rows.kept(rows, keep)
+    after = dataclasses.replace(
+        after, rows=rows, pending_rows=None, finished=state.finished + finished + after.finished[len(state.finished):],
+        live_ids=without_ids(after.live_ids, finished))
+    return _settle(after) if groups else after
+
+
+def _rows_tokens(rows: decode_rows.DecodeRows, works, actions: list[Action]
+                 ) -> tuple[list[tuple[int, ...]] | None, dict[int, SequenceStatus]]:
+    """From the leading actions that are the rows': each row's new tokens, in order, and the
+    rows that stopped (with the Finish's status); None for the tokens when a row gets none."""
     seq_ids, new, ended, count = rows.seq_ids.tolist(), [], {}, len(rows)
     for action in actions:
         kind, row = type(action), len(new)
@@ -236,26 +296,8 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
               and action.status.is_finished and action.status is not SequenceStatus.FINISHED_IGNORED):
             ended[row - 1] = action.status
         else:
-            return None
-    if len(new) != count:
-        return None
-    before, rows = rows.lengths, decode_rows.appended(rows, new)
-    size, config = state.config.block_manager.block_size, state.config
-    filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
-    blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
-    for row in ended:
-        blocks = block_manager.free(blocks, seq_ids[row])
-    for row in np.flatnonzero((rows.num_output >= rows.max_tokens) | (rows.lengths > config.max_model_len)).tolist():
-        if row not in ended:
-            ended[row] = SequenceStatus.FINISHED_LENGTH
-            blocks = block_manager.free(blocks, seq_ids[row])
-    finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
-    if ended:
-        keep = np.ones(count, bool)
-        keep[list(ended)] = False
-        rows = decode_rows.kept(rows, keep)
-    return dataclasses.replace(state, blocks=blocks, rows=rows, finished=state.finished + finished, pending=None,
-                               pending_rows=None, live_ids=without_ids(state.live_ids, finished))
+            break
+    return (new if len(new) == count else None), ended
 
 
 def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:
@@ -307,7 +349,14 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
 def update_in_general(state: SchedulerState, actions: list[Action]) -> SchedulerState:
     """`update` for any step: the actions checked against it (SchedulerUsageError for a
     mismatch) and applied by kind; every running group a record after it."""
-    state = state.without_rows()
+    return _update_records(state.without_rows(), actions)
+
+
+def _update_records(state: SchedulerState, actions: list[Action], after_forks: BlocksStep = _same,
+                    before_lengths: BlocksStep = _same) -> SchedulerState:
+    """`update_in_general` of a state without rows, with `after_forks` and `before_lengths`
+    on the blocks between the forks and the finishes, and before the length limits end
+    sequences (where a step that also ran rows ends theirs)."""
     seqs = {seq.seq_id: seq for group in state.running_groups for seq in group.seqs}
     computed, sampled = _computed_counts(state.pending, seqs)
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
@@ -318,8 +367,8 @@ def update_in_general(state: SchedulerState, actions: list[Action]) -> Scheduler
     child_ids = _child_ids(by_kind[Fork], state.next_seq_id)
     live = {seq_id for seq_id, seq in seqs.items() if not seq.status.is_finished}
     _check(by_kind, sampled, live | set(child_ids))
-    blocks, parents, dropped = _apply(state.blocks, seqs, computed, by_kind, child_ids)
-    state = dataclasses.replace(state, blocks=blocks)
+    blocks, parents, dropped = _apply(state.blocks, seqs, computed, by_kind, child_ids, after_forks)
+    state = dataclasses.replace(state, blocks=before_lengths(blocks))
     blocks, running, finished = _regroup(state, seqs, parents, dropped, sampled)
     return dataclasses.replace(
         state,

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from engine.core import block_manager, scheduler
+from engine.core import block_manager, scheduler, scheduler_update
 from engine.core.sequence import SequenceStatus
 from tests.engine.fake_engine import VOCAB, append_ones, make_config, serve
 
@@ -259,3 +259,22 @@ def test_bad_scheduler_config_says_what_to_change():
         scheduler.SchedulerConfig(
             max_num_batched_tokens=256, max_model_len=9, block_manager=make_config().block_manager
         )
+
+
+def test_a_step_of_rows_and_newer_records_ends_sequences_in_the_general_order():
+    """A decode held as a row and a newer request's prefill (a record) both reach max_tokens in
+    one step: the rows' update frees their blocks in the order the general path frees them
+    (by arrival), so the free list, and every block given out later, is the same."""
+    state = scheduler.add_request(scheduler.initial_state(make_config()), "old", (1, 2, 3), max_tokens=2)
+    state, out = scheduler.schedule(state)
+    state = scheduler.update(state, append_ones(out))
+    assert len(state.rows) == 1
+    state = scheduler.add_request(state, "new", (4, 5, 6, 7, 1), max_tokens=1)
+    state, out = scheduler.schedule(state)
+    assert [work.request_id for work in out.scheduled] == ["old", "new"]
+    actions = append_ones(out)
+    assert scheduler_update._update_rows(state, actions) is not None, "the rows' update took this step"
+    updated = scheduler.update(state, actions)
+    assert [group.request_id for group in updated.finished] == ["old", "new"]
+    assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
+    assert not updated.num_running

@@ -277,7 +277,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
         from_rows = scheduler_update._update_rows(state, actions)
         if from_rows is not None:
-            event("decode rows")
+            event("decode rows" + (" and records" if state.running_groups else ""))
             assert from_rows == updated
         if scheduler_update._fits_one_token_each(state.without_rows(), actions):
             event("one token each")
