@@ -1,14 +1,14 @@
 """update(): record one engine step's results in the scheduler state.
 
-Every token the step computed is marked computed (and full blocks enter the prefix cache), then
-the sampler's actions apply by kind: Appends and Forks (a child copies its parent as sampled,
-without the parent's Append), then Finishes and Drops. `engine.core.scheduler` explains how
-parallel sampling and beam search map onto actions.
+The general path (`engine.core.scheduler_update_general`) applies any step's actions by kind;
+the common steps take shorter paths that give the same states: a step of the rows' decodes
+(`engine.core.decode_rows`), with the record groups' work if any, recorded from the columns;
+and a step of records that each sample one sequence. After the general path, the groups that
+decode one sequence join the rows.
 """
 
-import collections
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -19,184 +19,15 @@ from engine.core.scheduler_state import (
     Action,
     Append,
     AppendMany,
-    Drop,
     Finish,
-    Fork,
-    SchedulerOutput,
     SchedulerState,
     SchedulerUsageError,
     without_ids,
 )
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.scheduler_update_general import action_target, reached_length, update_in_general, update_records
+from engine.core.sequence import Sequence, SequenceStatus
 
-Seqs = dict[int, Sequence]
-BlocksStep = Callable[[BlockManagerState], BlockManagerState]
-
-
-def _same(blocks: BlockManagerState) -> BlockManagerState:
-    return blocks
-
-
-def _computed_counts(output: SchedulerOutput, seqs: Seqs) -> tuple[dict[int, int], dict[int, int]]:
-    """num_computed_tokens after the step's first model step, per scheduled sequence still
-    running; and the sequences sampled, with the most tokens each may get (its `num_steps`)."""
-    computed, sampled = {}, {}
-    for work in output.scheduled:
-        for seq_id in work.seq_ids:
-            seq = seqs.get(seq_id)
-            if seq is not None and not seq.status.is_finished:
-                assert seq.num_computed_tokens == work.start
-                computed[seq_id] = work.start + len(work.token_ids)
-                if work.do_sample:
-                    sampled[seq_id] = work.num_steps
-    return computed, sampled
-
-
-def _target(action: Action) -> int:
-    return action.parent_seq_id if isinstance(action, Fork) else action.seq_id
-
-
-def _child_ids(forks: list[Fork], next_seq_id: int) -> list[int]:
-    """Ids for the forks' children: the explicit ones, else the next free ids in order."""
-    ids = []
-    for fork in forks:
-        child_id = next_seq_id if fork.child_seq_id is None else fork.child_seq_id
-        if child_id < next_seq_id or child_id in ids:
-            raise SchedulerUsageError(
-                f"Fork child_seq_id {child_id} is in use; pass None to get a fresh id"
-            )
-        ids.append(child_id)
-        next_seq_id = child_id + 1
-    return ids
-
-
-def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
-    """Raise SchedulerUsageError unless the actions fit the step that was scheduled."""
-    appended = [action.seq_id for action in by_kind[Append] + by_kind[AppendMany]]
-    targets = appended + [fork.parent_seq_id for fork in by_kind[Fork]]
-    if not sampled.keys() >= set(targets):
-        seq_id = next(seq_id for seq_id in targets if seq_id not in sampled)
-        raise SchedulerUsageError(
-            f"sequence {seq_id} was not sampled this step; Append or Fork only "
-            f"sequences from scheduled entries with do_sample"
-        )
-    for action in by_kind[AppendMany]:
-        if not 1 <= len(action.token_ids) <= sampled[action.seq_id]:
-            raise SchedulerUsageError(
-                f"AppendMany gives sequence {action.seq_id} {len(action.token_ids)} tokens; its "
-                f"work's num_steps allows 1 to {sampled[action.seq_id]}"
-            )
-    appends = set(appended)
-    if len(appends) < len(appended):
-        twice = [seq_id for seq_id, count in collections.Counter(appended).items() if count > 1]
-        raise SchedulerUsageError(f"sequences {twice} got several Appends; Fork extra tokens")
-    for action in by_kind[Finish]:
-        if not action.status.is_finished or action.status is SequenceStatus.FINISHED_IGNORED:
-            raise SchedulerUsageError(f"Finish needs a FINISHED_* status, got {action.status}")
-    ended = {action.seq_id for action in by_kind[Finish] + by_kind[Drop]}
-    if ended - live:
-        raise SchedulerUsageError(f"sequences {sorted(ended - live)} are not running")
-    missing = sampled.keys() - appends - ended
-    if missing:
-        raise SchedulerUsageError(
-            f"sampled sequences {sorted(missing)} need an Append, Finish or Drop"
-        )
-
-
-def _end(blocks: BlockManagerState, seqs: Seqs, seq_id: int, status: SequenceStatus):
-    seqs[seq_id] = dataclasses.replace(seqs[seq_id], status=status)
-    return block_manager.free(blocks, seq_id)
-
-
-def _apply(
-    blocks: BlockManagerState, seqs: Seqs, computed: dict[int, int], by_kind: dict, child_ids: list,
-    after_forks: BlocksStep,
-) -> tuple[BlockManagerState, dict[int, int], set[int]]:
-    """Apply computed counts, forks, appends, finishes and drops to `seqs` (in place), with
-    `after_forks` on the blocks between the forks and the finishes; returns the block state,
-    each child's parent id, and the dropped ids."""
-    child_outputs = [
-        seqs[fork.parent_seq_id].output_token_ids + (fork.token_id,) for fork in by_kind[Fork]
-    ]
-    tokens = {append.seq_id: (append.token_id,) for append in by_kind[Append]}
-    tokens.update((append.seq_id, append.token_ids) for append in by_kind[AppendMany])
-    for seq_id, num_computed in computed.items():
-        seq, new = seqs[seq_id], tokens.get(seq_id, ())
-        # All but the last of several tokens were computed on the device by the steps after the first.
-        num_computed += max(len(new) - 1, 0)
-        # A new record, as dataclasses.replace makes it but at a third of its cost.
-        seqs[seq_id] = Sequence(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids + new, seq.status,
-                                num_computed)
-    blocks = block_manager.mark_computed(blocks, [seqs[seq_id] for seq_id in computed])
-    parents = {}
-    for fork, child_id, output in zip(by_kind[Fork], child_ids, child_outputs):
-        parent = seqs[fork.parent_seq_id]
-        seqs[child_id] = dataclasses.replace(parent, seq_id=child_id, output_token_ids=output)
-        blocks = block_manager.fork(blocks, parent.seq_id, child_id)
-        parents[child_id] = parent.seq_id
-    blocks = after_forks(blocks)
-    for finish in by_kind[Finish]:
-        blocks = _end(blocks, seqs, finish.seq_id, finish.status)
-    for drop in by_kind[Drop]:
-        blocks = block_manager.free(blocks, drop.seq_id)
-    return blocks, parents, {drop.seq_id for drop in by_kind[Drop]}
-
-
-def _reached_length(seq: Sequence, max_tokens: int, max_model_len: int) -> bool:
-    """Whether an unfinished `seq` has generated max_tokens or outgrown max_model_len."""
-    if seq.status.is_finished:
-        return False
-    return len(seq.output_token_ids) >= max_tokens or seq.len > max_model_len
-
-
-def _regroup(
-    state: SchedulerState, seqs: Seqs, parents: dict[int, int], dropped: set[int], sampled: dict[int, int]
-) -> tuple[BlockManagerState, tuple[SequenceGroup, ...], tuple[SequenceGroup, ...]]:
-    """Rebuild the running groups from `seqs`; finish sequences that reached max_tokens or
-    max_model_len; split off the groups with nothing left to generate."""
-    blocks, running, finished = state.blocks, [], []
-    children = collections.defaultdict(list)
-    for child_id, parent_id in parents.items():
-        children[parent_id].append(child_id)
-    max_model_len = state.config.max_model_len
-    for group in state.running_groups:
-        if len(group.seqs) == 1 and not (children or dropped):  # most groups: one sequence, kept
-            blocks, group = _regroup_one(blocks, group, seqs, sampled, max_model_len)
-            (finished if group.seqs[0].status.is_finished else running).append(group)
-            continue
-        ids = [seq.seq_id for seq in group.seqs]
-        if children or dropped:
-            ids += [child for seq_id in ids for child in children.get(seq_id, ())]
-            ids = [seq_id for seq_id in ids if seq_id not in dropped]
-        for seq_id in ids:
-            if _reached_length(seqs[seq_id], group.max_tokens, max_model_len):
-                blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
-        num_before = len(group.unfinished_seqs)
-        group = group.with_seqs(tuple(seqs[seq_id] for seq_id in ids),
-                                in_prefill=group.in_prefill and not sampled.keys() & set(ids))
-        if len(group.unfinished_seqs) > num_before:
-            raise SchedulerUsageError(
-                f"request {group.request_id!r} would grow from {num_before} to "
-                f"{len(group.unfinished_seqs)} running sequences; Fork only as many sequences "
-                f"as Finish or Drop in the same update"
-            )
-        if not group.seqs:
-            raise SchedulerUsageError(
-                f"request {group.request_id!r} would lose all its sequences; Finish the last "
-                f"one instead of dropping it"
-            )
-        (finished if group.is_finished else running).append(group)
-    return blocks, tuple(running), tuple(finished)
-
-
-def _regroup_one(
-    blocks: BlockManagerState, group: SequenceGroup, seqs: Seqs, sampled: dict[int, int], max_model_len: int
-) -> tuple[BlockManagerState, SequenceGroup]:
-    """`_regroup` for a group of one sequence, in an update that forks and drops nothing."""
-    seq_id = group.seqs[0].seq_id
-    if _reached_length(seqs[seq_id], group.max_tokens, max_model_len):
-        blocks = _end(blocks, seqs, seq_id, SequenceStatus.FINISHED_LENGTH)
-    return blocks, group.with_seqs((seqs[seq_id],), group.in_prefill and seq_id not in sampled)
+__all__ = ["update", "update_in_general"]
 
 
 def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
@@ -225,31 +56,27 @@ def _settle(state: SchedulerState) -> SchedulerState:
 
 
 def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
-    """`update` for a step planned from the rows as they are (no abort since), whose record
-    groups, if any, arrived after every row (so the rows' works and actions come first): each
-    row one Append or AppendMany, in the rows' order, and a Finish after it where the sequence
-    stopped. The rows are recorded from the columns (records made again only for those that
-    filled a block or end), the records as `update_in_general` does, each block operation in
-    the order it makes them. None for any other step (the general path then applies the
-    actions, or says what is wrong with them)."""
+    """`update` for a step planned from the rows as they are (no abort since): each row one
+    Append or AppendMany, in the rows' order, and a Finish after it where the sequence stopped.
+    The rows are recorded from the columns (records made again only for those that filled a
+    block or end), the record groups as `update_in_general` does, every block operation in the
+    order it makes them: the records' between the rows' where they arrived after every row;
+    where not, only in a step in which rows and records do not both fill blocks, nor both end
+    sequences (orders that do not matter then). None for any other step (the general path then
+    applies the actions, or says what is wrong with them)."""
     rows, works, groups = state.rows, state.pending.scheduled, state.running_groups
-    if state.pending_rows is not rows or (groups and groups[0].arrival < rows.arrivals[-1]):
+    if state.pending_rows is not rows:
         return None
-    new, ended = _rows_tokens(rows, works, actions)
-    if new is None:
+    row_works, record_works = _split_works(rows, works) if groups else (works, ())
+    new, ended, others = _rows_tokens(rows, row_works, actions)
+    if new is None or (others and not groups):
         return None
-    others = actions[len(new) + len(ended):]
-    if others and not groups:
-        return None
-    if others:
-        ids = set(rows.seq_ids.tolist())
-        if any(_target(action) in ids for action in others):
-            return None
     before, rows = rows.lengths, decode_rows.appended(rows, new)
-    filled = np.flatnonzero((rows.lengths - 1) // state.config.block_manager.block_size
-                            > (before - 1) // state.config.block_manager.block_size).tolist()
+    size, caching = state.config.block_manager.block_size, state.config.block_manager.enable_prefix_caching
+    filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
     blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
-    seq_ids, max_model_len = rows.seq_ids.tolist(), state.config.max_model_len
+    seq_ids, at_length = rows.seq_ids.tolist(), (rows.num_output >= rows.max_tokens) | (
+        rows.lengths > state.config.max_model_len)
 
     def end_stopped(blocks: BlockManagerState) -> BlockManagerState:
         for row in ended:
@@ -257,18 +84,26 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
         return blocks
 
     def end_at_length(blocks: BlockManagerState) -> BlockManagerState:
-        for row in np.flatnonzero((rows.num_output >= rows.max_tokens) | (rows.lengths > max_model_len)).tolist():
+        for row in np.flatnonzero(at_length).tolist():
             if row not in ended:
                 ended[row] = SequenceStatus.FINISHED_LENGTH
                 blocks = block_manager.free(blocks, seq_ids[row])
         return blocks
 
-    if groups:
-        pending = dataclasses.replace(state.pending, scheduled=works[len(rows):])
-        after = _update_records(dataclasses.replace(state, blocks=blocks, rows=NO_ROWS, pending=pending), others,
-                                end_stopped, end_at_length)
-    else:
+    if not groups:
         after = dataclasses.replace(state, blocks=end_at_length(end_stopped(blocks)), pending=None)
+    else:
+        pending = dataclasses.replace(state.pending, scheduled=tuple(record_works))
+        records = dataclasses.replace(state, blocks=blocks, rows=NO_ROWS, pending=pending)
+        if groups[0].arrival > rows.arrivals[-1]:
+            after = update_records(records, others, end_stopped, end_at_length)
+        else:
+            after = update_records(records, others)
+            records_fill = caching and any(work.write_end // size > work.start // size for work in record_works)
+            records_end = any(seq.seq_id not in after.blocks.seqs for group in groups for seq in group.unfinished_seqs)
+            if (filled and records_fill) or ((ended or at_length.any()) and records_end):
+                return None
+            after = dataclasses.replace(after, blocks=end_at_length(end_stopped(after.blocks)))
     finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
     if ended:
         keep = np.ones(len(rows), bool)
@@ -280,11 +115,22 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     return _settle(after) if groups else after
 
 
+def _split_works(rows: decode_rows.DecodeRows, works) -> tuple[list, list]:
+    """A plan's works: the rows' (one each, in the rows' order) and the record groups'."""
+    seq_ids, row_works, record_works = rows.seq_ids.tolist(), [], []
+    for work in works:
+        row = len(row_works)
+        (row_works if row < len(seq_ids) and work.seq_ids == (seq_ids[row],) else record_works).append(work)
+    return row_works, record_works
+
+
 def _rows_tokens(rows: decode_rows.DecodeRows, works, actions: list[Action]
-                 ) -> tuple[list[tuple[int, ...]] | None, dict[int, SequenceStatus]]:
-    """From the leading actions that are the rows': each row's new tokens, in order, and the
-    rows that stopped (with the Finish's status); None for the tokens when a row gets none."""
-    seq_ids, new, ended, count = rows.seq_ids.tolist(), [], {}, len(rows)
+                 ) -> tuple[list[tuple[int, ...]] | None, dict[int, SequenceStatus], list[Action]]:
+    """From the rows' actions (in the rows' order, the records' anywhere between them): each
+    row's new tokens, in order, and the rows that stopped (with the Finish's status); and the
+    other actions. None for the tokens when a row gets none, or an action on a row is out of
+    that order."""
+    seq_ids, new, ended, count, others, ids = rows.seq_ids.tolist(), [], {}, len(rows), [], None
     for action in actions:
         kind, row = type(action), len(new)
         if kind is Append and row < count and action.seq_id == seq_ids[row]:
@@ -296,8 +142,11 @@ def _rows_tokens(rows: decode_rows.DecodeRows, works, actions: list[Action]
               and action.status.is_finished and action.status is not SequenceStatus.FINISHED_IGNORED):
             ended[row - 1] = action.status
         else:
-            break
-    return (new if len(new) == count else None), ended
+            ids = set(seq_ids) if ids is None else ids
+            if action_target(action) in ids:
+                return None, ended, others
+            others.append(action)
+    return (new if len(new) == count else None), ended, others
 
 
 def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:
@@ -335,7 +184,7 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
     blocks = block_manager.mark_computed(state.blocks, seqs)
     running, finished, max_model_len = [], [], state.config.max_model_len
     for group, seq in zip(state.running_groups, seqs):
-        if _reached_length(seq, group.max_tokens, max_model_len):
+        if reached_length(seq, group.max_tokens, max_model_len):
             seq = dataclasses.replace(seq, status=SequenceStatus.FINISHED_LENGTH)
             blocks = block_manager.free(blocks, seq.seq_id)
             finished.append(group.with_seqs((seq,), in_prefill=False))
@@ -344,39 +193,3 @@ def _one_token_each(state: SchedulerState, actions: list[Action]) -> SchedulerSt
     finished = tuple(finished)
     return dataclasses.replace(state, blocks=blocks, running_groups=tuple(running), finished=state.finished + finished,
                                pending=None, pending_rows=None, live_ids=without_ids(state.live_ids, finished))
-
-
-def update_in_general(state: SchedulerState, actions: list[Action]) -> SchedulerState:
-    """`update` for any step: the actions checked against it (SchedulerUsageError for a
-    mismatch) and applied by kind; every running group a record after it."""
-    return _update_records(state.without_rows(), actions)
-
-
-def _update_records(state: SchedulerState, actions: list[Action], after_forks: BlocksStep = _same,
-                    before_lengths: BlocksStep = _same) -> SchedulerState:
-    """`update_in_general` of a state without rows, with `after_forks` and `before_lengths`
-    on the blocks between the forks and the finishes, and before the length limits end
-    sequences (where a step that also ran rows ends theirs)."""
-    seqs = {seq.seq_id: seq for group in state.running_groups for seq in group.seqs}
-    computed, sampled = _computed_counts(state.pending, seqs)
-    aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
-    by_kind = {kind: [] for kind in (Append, AppendMany, Fork, Finish, Drop)}
-    for action in actions:
-        if not aborted or _target(action) not in aborted:
-            by_kind[type(action)].append(action)
-    child_ids = _child_ids(by_kind[Fork], state.next_seq_id)
-    live = {seq_id for seq_id, seq in seqs.items() if not seq.status.is_finished}
-    _check(by_kind, sampled, live | set(child_ids))
-    blocks, parents, dropped = _apply(state.blocks, seqs, computed, by_kind, child_ids, after_forks)
-    state = dataclasses.replace(state, blocks=before_lengths(blocks))
-    blocks, running, finished = _regroup(state, seqs, parents, dropped, sampled)
-    return dataclasses.replace(
-        state,
-        blocks=blocks,
-        running_groups=running,
-        finished=state.finished + finished,
-        pending=None,
-        pending_rows=None,
-        next_seq_id=max([state.next_seq_id] + [child_id + 1 for child_id in child_ids]),
-        live_ids=without_ids(state.live_ids, finished),
-    )
