@@ -107,9 +107,9 @@ def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
     added = _of(groups, [[] for _ in groups], [0] * len(groups))
     if not len(rows):
         return added
-    order = np.argsort(np.concatenate([rows.arrivals, added.arrivals]), kind="stable")
-    if added.arrivals[0] > rows.arrivals[-1]:  # most often: the groups arrived after every row
-        order = None
+    order = None  # most often the groups arrived after every row: end to end is in order
+    if added.arrivals[0] < rows.arrivals[-1]:
+        order = np.argsort(np.concatenate([rows.arrivals, added.arrivals]), kind="stable")
     return DecodeRows(*(_joined(getattr(rows, field.name), getattr(added, field.name), order)
                         for field in dataclasses.fields(DecodeRows)))
 

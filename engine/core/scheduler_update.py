@@ -99,7 +99,7 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
             after = update_records(records, others, end_stopped, end_at_length)
         else:
             after = update_records(records, others)
-            records_fill = caching and any(work.write_end // size > work.start // size for work in record_works)
+            records_fill = caching and _may_fill(records.blocks, record_works, size)
             records_end = any(seq.seq_id not in after.blocks.seqs for group in groups for seq in group.unfinished_seqs)
             if (filled and records_fill) or ((ended or at_length.any()) and records_end):
                 return None
@@ -113,6 +113,19 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
         after, rows=rows, pending_rows=None, finished=state.finished + finished + after.finished[len(state.finished):],
         live_ids=without_ids(after.live_ids, finished))
     return _settle(after) if groups else after
+
+
+def _may_fill(blocks: BlockManagerState, works, size: int) -> bool:
+    """Whether marking `works` computed may enter blocks in the prefix cache: one crosses a
+    block boundary, or holds a sequence whose cached blocks lag behind its computed ones."""
+    for work in works:
+        if work.write_end // size > work.start // size:
+            return True
+        for seq_id in work.seq_ids:
+            entry = blocks.seqs.get(seq_id)
+            if entry is not None and len(entry.cache_entry_ids) < work.start // size:
+                return True
+    return False
 
 
 def _split_works(rows: decode_rows.DecodeRows, works) -> tuple[list, list]:
