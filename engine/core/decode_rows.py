@@ -21,6 +21,7 @@ beam search (its updates fork). The rows are in arrival order, as the running gr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -123,8 +124,10 @@ def _joined(first, second, order: np.ndarray | None):
     return joined if order is None else tuple(joined[i] for i in order.tolist())
 
 
-def kept(rows: DecodeRows, keep: np.ndarray) -> DecodeRows:
-    """The rows where the bool column `keep` [M] is True."""
+def without(rows: DecodeRows, dropped: Iterable[int]) -> DecodeRows:
+    """The rows but those at the indices `dropped`."""
+    keep = np.ones(len(rows), bool)
+    keep[list(dropped)] = False
     if keep.all():
         return rows
     index = np.flatnonzero(keep).tolist()

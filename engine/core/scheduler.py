@@ -51,8 +51,6 @@ group samples only in a step that completes every sequence, so its sequences sta
 import dataclasses
 from collections.abc import Iterable
 
-import numpy as np
-
 from engine.core import block_manager, decode_rows
 from engine.core.scheduler_plan import schedule
 from engine.core.scheduler_state import (
@@ -174,14 +172,6 @@ def _without(groups: tuple[SequenceGroup, ...], group: SequenceGroup) -> tuple[S
     return tuple(other for other in groups if other.request_id != group.request_id)
 
 
-def _without_row(rows: decode_rows.DecodeRows, request_id: str) -> decode_rows.DecodeRows:
-    if request_id not in rows.request_ids:
-        return rows
-    keep = np.ones(len(rows), bool)
-    keep[rows.request_ids.index(request_id)] = False
-    return decode_rows.kept(rows, keep)
-
-
 def abort(state: SchedulerState, request_id: str) -> SchedulerState:
     """Finish `request_id` with FINISHED_ABORTED wherever it is (waiting, running, swapped,
     mid-chunk) and free everything it holds. A request that already left is ignored."""
@@ -196,7 +186,7 @@ def abort(state: SchedulerState, request_id: str) -> SchedulerState:
         blocks=blocks,
         waiting=_without(state.waiting, group),
         running_groups=_without(state.running_groups, group),
-        rows=_without_row(state.rows, request_id),
+        rows=decode_rows.without(state.rows, [i for i, rid in enumerate(state.rows.request_ids) if rid == request_id]),
         swapped=_without(state.swapped, group),
         finished=state.finished + (set_unfinished_status(group, SequenceStatus.FINISHED_ABORTED),),
         live_ids=state.live_ids.remove(request_id),

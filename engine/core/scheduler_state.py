@@ -154,6 +154,10 @@ class AppendMany:
     seq_id: int
     token_ids: tuple[int, ...]
 
+    def fits(self, num_steps: int) -> bool:
+        """Whether its tokens fit a work of `num_steps` steps: at least one, at most that many."""
+        return 1 <= len(self.token_ids) <= num_steps
+
 
 @record
 class Fork:
@@ -170,6 +174,12 @@ class Finish:
 
     seq_id: int
     status: SequenceStatus
+
+    @property
+    def has_valid_status(self) -> bool:
+        """Whether `status` is one update() takes: FINISHED_*, but not FINISHED_IGNORED (the
+        scheduler's own, for a request it refuses)."""
+        return self.status.is_finished and self.status is not SequenceStatus.FINISHED_IGNORED
 
 
 @record

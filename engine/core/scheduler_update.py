@@ -47,12 +47,12 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
 
 def _settle(state: SchedulerState) -> SchedulerState:
     """`state` with its running groups that qualify (`decode_rows.qualifies`) held as rows."""
-    entering = [group for group in state.running_groups if decode_rows.qualifies(group)]
+    entering, staying = [], []
+    for group in state.running_groups:
+        (entering if decode_rows.qualifies(group) else staying).append(group)
     if not entering:
         return state
-    return dataclasses.replace(
-        state, running_groups=tuple(group for group in state.running_groups if not decode_rows.qualifies(group)),
-        rows=decode_rows.enter(state.rows, entering))
+    return dataclasses.replace(state, running_groups=tuple(staying), rows=decode_rows.enter(state.rows, entering))
 
 
 def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
@@ -67,16 +67,16 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     rows, works, groups = state.rows, state.pending.scheduled, state.running_groups
     if state.pending_rows is not rows:
         return None
-    row_works, record_works = _split_works(rows, works) if groups else (works, ())
-    new, ended, others = _rows_tokens(rows, row_works, actions)
+    seq_ids = rows.seq_ids.tolist()
+    row_works, record_works = _split_works(seq_ids, works) if groups else (works, ())
+    new, ended, others = _rows_tokens(seq_ids, row_works, actions)
     if new is None or (others and not groups):
         return None
     before, rows = rows.lengths, decode_rows.appended(rows, new)
     size, caching = state.config.block_manager.block_size, state.config.block_manager.enable_prefix_caching
     filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
     blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
-    seq_ids, at_length = rows.seq_ids.tolist(), (rows.num_output >= rows.max_tokens) | (
-        rows.lengths > state.config.max_model_len)
+    at_length = (rows.num_output >= rows.max_tokens) | (rows.lengths > state.config.max_model_len)
 
     def end_stopped(blocks: BlockManagerState) -> BlockManagerState:
         for row in ended:
@@ -105,10 +105,7 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
                 return None
             after = dataclasses.replace(after, blocks=end_at_length(end_stopped(after.blocks)))
     finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
-    if ended:
-        keep = np.ones(len(rows), bool)
-        keep[list(ended)] = False
-        rows = decode_rows.kept(rows, keep)
+    rows = decode_rows.without(rows, ended)
     after = dataclasses.replace(
         after, rows=rows, pending_rows=None, finished=state.finished + finished + after.finished[len(state.finished):],
         live_ids=without_ids(after.live_ids, finished))
@@ -128,31 +125,31 @@ def _may_fill(blocks: BlockManagerState, works, size: int) -> bool:
     return False
 
 
-def _split_works(rows: decode_rows.DecodeRows, works) -> tuple[list, list]:
-    """A plan's works: the rows' (one each, in the rows' order) and the record groups'."""
-    seq_ids, row_works, record_works = rows.seq_ids.tolist(), [], []
+def _split_works(seq_ids: list[int], works) -> tuple[list, list]:
+    """A plan's works: the rows' (of `seq_ids`, one each, in that order) and the record groups'."""
+    row_works, record_works = [], []
     for work in works:
         row = len(row_works)
         (row_works if row < len(seq_ids) and work.seq_ids == (seq_ids[row],) else record_works).append(work)
     return row_works, record_works
 
 
-def _rows_tokens(rows: decode_rows.DecodeRows, works, actions: list[Action]
+def _rows_tokens(seq_ids: list[int], works, actions: list[Action]
                  ) -> tuple[list[tuple[int, ...]] | None, dict[int, SequenceStatus], list[Action]]:
-    """From the rows' actions (in the rows' order, the records' anywhere between them): each
-    row's new tokens, in order, and the rows that stopped (with the Finish's status); and the
-    other actions. None for the tokens when a row gets none, or an action on a row is out of
-    that order."""
-    seq_ids, new, ended, count, others, ids = rows.seq_ids.tolist(), [], {}, len(rows), [], None
+    """From the actions on the rows of `seq_ids` (in that order, the records' anywhere between
+    them), with `works` the rows' works: each row's new tokens, in order, and the rows that
+    stopped (with the Finish's status); and the other actions. None for the tokens when a row
+    gets none, or an action on a row is out of that order."""
+    new, ended, count, others, ids = [], {}, len(seq_ids), [], None
     for action in actions:
         kind, row = type(action), len(new)
         if kind is Append and row < count and action.seq_id == seq_ids[row]:
             new.append((action.token_id,))
         elif (kind is AppendMany and row < count and action.seq_id == seq_ids[row]
-              and 1 <= len(action.token_ids) <= works[row].num_steps):
+              and action.fits(works[row].num_steps)):
             new.append(action.token_ids)
         elif (kind is Finish and row and action.seq_id == seq_ids[row - 1] and row - 1 not in ended
-              and action.status.is_finished and action.status is not SequenceStatus.FINISHED_IGNORED):
+              and action.has_valid_status):
             ended[row - 1] = action.status
         else:
             ids = set(seq_ids) if ids is None else ids
@@ -175,7 +172,7 @@ def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:
             return False
         seq = group.seqs[0]
         if (work.request_id != group.request_id or work.seq_ids != (seq.seq_id,) or action.seq_id != seq.seq_id
-                or seq.status.is_finished or (kind is AppendMany and not 1 <= len(action.token_ids) <= work.num_steps)):
+                or seq.status.is_finished or (kind is AppendMany and not action.fits(work.num_steps))):
             return False
     return True
 

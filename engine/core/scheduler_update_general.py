@@ -79,7 +79,7 @@ def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
             f"sequences from scheduled entries with do_sample"
         )
     for action in by_kind[AppendMany]:
-        if not 1 <= len(action.token_ids) <= sampled[action.seq_id]:
+        if not action.fits(sampled[action.seq_id]):
             raise SchedulerUsageError(
                 f"AppendMany gives sequence {action.seq_id} {len(action.token_ids)} tokens; its "
                 f"work's num_steps allows 1 to {sampled[action.seq_id]}"
@@ -89,7 +89,7 @@ def _check(by_kind: dict, sampled: dict[int, int], live: set[int]) -> None:
         twice = [seq_id for seq_id, count in collections.Counter(appended).items() if count > 1]
         raise SchedulerUsageError(f"sequences {twice} got several Appends; Fork extra tokens")
     for action in by_kind[Finish]:
-        if not action.status.is_finished or action.status is SequenceStatus.FINISHED_IGNORED:
+        if not action.has_valid_status:
             raise SchedulerUsageError(f"Finish needs a FINISHED_* status, got {action.status}")
     ended = {action.seq_id for action in by_kind[Finish] + by_kind[Drop]}
     if ended - live:
