@@ -29,9 +29,14 @@ and the smaller batch the scheduler planned computes its logits differently in t
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
+import numpy as np
+
+from engine.core import scheduled_rows
 from engine.core.records import record
+from engine.core.scheduled_rows import PlannedWorks, ScheduledRows
 from engine.core.scheduler import ScheduledGroupWork, SchedulerOutput, SchedulerState
 from engine.request_state import RequestState
 from engine.worker import sampling_rows
@@ -47,7 +52,8 @@ class InFlightStep:
     sampler's parameters, None when the tokens are the decode program's arg-max (what a
     lookahead after it starts from); the next decode's inputs if the decode program computed
     them (``ModelOutput.next_inputs``), and the block tables its inputs hold (those that
-    decode's slots were found in)."""
+    decode's slots were found in). ``rows_in_order``: row i reads logits row i (as a
+    lookahead's rows do)."""
 
     rows: tuple[Row, ...]
     sampled: SamplerOutput
@@ -55,6 +61,7 @@ class InFlightStep:
     batch: SamplingBatch | None
     next_inputs: StepInputs | None
     block_tables: tuple[tuple[int, ...], ...]  # those of ``inputs``, one per row
+    rows_in_order: bool = False
 
 
 @record
@@ -78,7 +85,7 @@ def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroup
     if inputs.pick or tokens.shape != inputs.input_ids.shape:
         return None, kv_caches
     next_inputs = in_flight.next_inputs if in_flight.next_inputs is not None else runner.advance(inputs)
-    tables = tuple(work.block_table for work in works)
+    tables = block_tables(works)
     if tables != in_flight.block_tables:  # the scheduler reserved blocks since: the next slots may be there
         next_inputs = runner.with_tables_of(next_inputs, works)
     inputs = next_inputs.replace(input_ids=tokens)
@@ -88,10 +95,18 @@ def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroup
     else:
         sampled, batch = sampling_rows.dispatch_next(out.logits, in_flight.batch)
     rows = in_flight.rows
-    if any(row.logits_row != i for i, row in enumerate(rows)):
+    if not in_flight.rows_in_order and any(row.logits_row != i for i, row in enumerate(rows)):
         rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))
-    in_flight = InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables)
-    return Lookahead(tuple(works), in_flight, positions_on=1), kv_caches
+    in_flight = InFlightStep(rows, sampled, inputs, batch, out.next_inputs, tables, rows_in_order=True)
+    return Lookahead(works if isinstance(works, PlannedWorks) else tuple(works), in_flight, positions_on=1), kv_caches
+
+
+def block_tables(works: Sequence[ScheduledGroupWork]) -> tuple[tuple[int, ...], ...]:
+    """Each work's block table, in order (the rows' as they are held)."""
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is None:
+        return tuple(work.block_table for work in works)
+    return planned.tables + tuple(work.block_table for work in others)
 
 
 def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestState], state: SchedulerState,
@@ -100,7 +115,10 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     the module's docstring); ``state`` is the scheduler's after this step's ``schedule``."""
     if state.waiting or state.swapped or not works:
         return False
-    for work in works:
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is not None and not _rows_eligible(planned, requests, block_size):
+        return False
+    for work in others:
         request = requests.get(work.request_id)
         if (request is None or work.is_prefill or not work.do_sample or len(work.token_ids) != 1
                 or len(work.seq_ids) != 1 or not sampling_is_static(request, work.seq_ids[0])
@@ -110,11 +128,26 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
     return True
 
 
+_STATIC_FROM = operator.attrgetter("static_sampling_from")
+
+
+def _rows_eligible(planned: ScheduledRows, requests: dict[str, RequestState], block_size: int) -> bool:
+    """`eligible`'s rules for the rows' decodes, from their columns (a row's generated tokens
+    are its sequence's output count in the scheduler's rows)."""
+    rows = planned.rows
+    try:
+        static_from = np.fromiter(map(_STATIC_FROM, map(requests.__getitem__, rows.request_ids)), np.int64, len(rows))
+    except KeyError:  # a request aborted since
+        return False
+    return bool(np.all((rows.num_output >= static_from) & (rows.num_output + 1 < rows.max_tokens)
+                       & (planned.starts + 1 < planned.table_lengths() * block_size)))
+
+
 def sampling_is_static(request: RequestState, seq_id: int) -> bool:
     """Whether the sampler's inputs for ``seq_id``'s next token do not depend on this step's
     token: the request's sampling does not (:attr:`RequestState.sampling_is_static`), and
     ``min_tokens`` is reached (the step after this one must not ban EOS)."""
-    return request.sampling_is_static and len(request.generated(seq_id)) >= request.params.min_tokens
+    return len(request.generated(seq_id)) >= request.static_sampling_from
 
 
 def computed(lookahead: Lookahead, plan: SchedulerOutput) -> bool:
@@ -124,7 +157,15 @@ def computed(lookahead: Lookahead, plan: SchedulerOutput) -> bool:
     if (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.preempted
             or len(plan.scheduled) != len(works)):
         return False
-    for planned, work in zip(plan.scheduled, works):
+    (planned_rows, planned_others), (ran_rows, ran_others) = (scheduled_rows.rows_of(plan.scheduled),
+                                                              scheduled_rows.rows_of(works))
+    if planned_rows is not None and ran_rows is not None and len(planned_rows) == len(ran_rows):
+        if not _rows_computed(ran_rows, planned_rows, on):
+            return False
+        pairs = zip(planned_others, ran_others)
+    else:
+        pairs = zip(plan.scheduled, works)
+    for planned, work in pairs:
         table = work.block_table
         if (planned.start != work.start + on or planned.seq_ids != work.seq_ids
                 or planned.request_id != work.request_id or planned.num_steps != work.num_steps
@@ -132,3 +173,13 @@ def computed(lookahead: Lookahead, plan: SchedulerOutput) -> bool:
                 or planned.block_table[: len(table)] != table):
             return False
     return True
+
+
+def _rows_computed(ran: ScheduledRows, planned: ScheduledRows, on: int) -> bool:
+    """`computed` for the rows' decodes, from their columns: the same rows, ``on`` positions
+    on, through the same blocks (the planned tables may hold more)."""
+    if not (ran.rows.request_ids == planned.rows.request_ids and np.array_equal(ran.rows.seq_ids, planned.rows.seq_ids)
+            and np.array_equal(planned.starts, ran.starts + on)):
+        return False
+    return planned.tables == ran.tables or all(
+        table[: len(before)] == before for table, before in zip(planned.tables, ran.tables) if table is not before)

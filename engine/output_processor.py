@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from engine import beam_search
+from engine import beam_search, plain_rows
 from engine.core.scheduler import Append, AppendMany, Drop, Finish, Fork, SequenceStatus
 from engine.outputs import RequestOutput, token_logprobs
 from engine.request_state import RequestState
@@ -30,12 +30,19 @@ class OutputProcessor:
     def __init__(self, tokenizer, counters):
         self.tokenizer = tokenizer
         self.counters = counters
+        self._plain: tuple[tuple, plain_rows.PlainRows | None] = ((), None)  # the last rows, and their columns
 
     def record(self, rows, sampled, requests: dict[str, RequestState], next_child: int, touched) -> list:
         """Record the tokens ``sampled`` (on the host) for ``rows``; the scheduler's actions that
-        follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request.
-        Sampled rows are recorded in one pass, in order; a beam search's rows after them, a
-        request at a time (its step chooses among all its beams)."""
+        follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request
+        with an output due. Rows that need no text, log-probabilities, constraint or beams are
+        recorded at once (:mod:`engine.plain_rows`); otherwise sampled rows are recorded in one
+        pass, in order, and a beam search's rows after them, a request at a time (its step
+        chooses among all its beams)."""
+        plain = self._plain_rows(rows, requests)
+        if plain is not None:
+            self.counters.generation_tokens += len(rows)
+            return plain_rows.record(plain, sampled.tokens[: len(rows)], touched)
         tokens, logprobs = sampled.tokens[: len(rows)].tolist(), sampled.logprobs[: len(rows)].tolist()
         actions, beams = [], {}
         for i, row in enumerate(rows):
@@ -50,12 +57,23 @@ class OutputProcessor:
                 entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer)
             actions.append(Append(row.seq_id, token))
             if request.record(row.seq_id, token, logprobs[i], entry, tokenizer):
-                actions.append(self._finish(request, row.seq_id))
+                actions.append(plain_rows.finish(request, row.seq_id))
         self.counters.generation_tokens += len(rows) - sum(map(len, beams.values()))
         for request_id, by_seq in beams.items():
             new_actions, next_child = self._beam_step(requests[request_id], by_seq, sampled, next_child)
             actions += new_actions
         return actions
+
+    def _plain_rows(self, rows, requests: dict[str, RequestState]) -> plain_rows.PlainRows | None:
+        """``rows`` as :class:`~engine.plain_rows.PlainRows` (kept while a lookahead keeps the
+        same rows), or None when they are not all plain."""
+        held_rows, plain = self._plain
+        if held_rows is not rows:
+            plain = plain_rows.of(rows, requests, self.tokenizer)
+            self._plain = rows, plain
+        elif plain is not None and not plain_rows.still_valid(plain, requests):
+            plain = None
+        return plain
 
     def record_steps(self, rows, tokens, sampled, touched) -> list:
         """Record a multi-step decode's tokens (``tokens`` int32 [rows, k], -1 past a row's
@@ -75,7 +93,7 @@ class OutputProcessor:
             self.counters.generation_tokens += kept
             actions.append(AppendMany(row.seq_id, tuple(row_tokens[:kept])))
             if request.seqs[row.seq_id].finish_reason is not None:
-                actions.append(self._finish(request, row.seq_id))
+                actions.append(plain_rows.finish(request, row.seq_id))
         return actions
 
     def _record_with_logprobs(self, request: RequestState, seq_id: int, i: int, tokens: list[int], sampled,
@@ -98,12 +116,6 @@ class OutputProcessor:
         return token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[at])),
                               sampled.top_tokens[at][: request.num_logprobs].tolist(),
                               sampled.top_logprobs[at][: request.num_logprobs].tolist())
-
-    @staticmethod
-    def _finish(request: RequestState, seq_id: int) -> Finish:
-        """The scheduler's end of a sequence that stopped (a stop rule, or its max_tokens)."""
-        reason = request.seqs[seq_id].finish_reason
-        return Finish(seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH)
 
     def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
         """One beam-search step: proposals of every running beam (in the beam search's order),

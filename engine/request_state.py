@@ -12,6 +12,8 @@ import functools
 import operator
 import time
 
+import numpy as np
+
 from engine import beam_search, structured_output
 from engine.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
@@ -136,6 +138,13 @@ class RequestState:
         params = self.params
         return (not self.is_beam_search and not self.steered_by_each_token and not params.presence_penalty
                 and not params.frequency_penalty and params.repetition_penalty == 1.0)
+
+    @functools.cached_property
+    def static_sampling_from(self) -> int:
+        """Generated tokens from which a sequence's sampling no longer depends on the token
+        before (:func:`engine.async_scheduling.sampling_is_static`): ``min_tokens``, or a
+        count no sequence reaches when :attr:`sampling_is_static` is False."""
+        return self.params.min_tokens if self.sampling_is_static else np.iinfo(np.int64).max
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:

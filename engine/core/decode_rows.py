@@ -138,9 +138,11 @@ def without(rows: DecodeRows, dropped: Iterable[int]) -> DecodeRows:
         tuple(rows.new_tokens[i] for i in index), _column(rows.num_new[keep]))
 
 
-def appended(rows: DecodeRows, new: Seq[tuple[int, ...]]) -> DecodeRows:
+def appended(rows: DecodeRows, new: Seq[tuple[int, ...]] | np.ndarray) -> DecodeRows:
     """The rows after row i's sequence gained the tokens `new[i]` (its last token computed too:
-    every token but the new last one is)."""
+    every token but the new last one is); `new` an int64 array [M] when each gained one."""
+    if isinstance(new, np.ndarray):
+        return _appended_one_each(rows, new)
     lists, num_new, copies = rows.new_tokens, rows.num_new.tolist(), None
     for i, tokens in enumerate(new):
         held = lists[i]
@@ -152,10 +154,24 @@ def appended(rows: DecodeRows, new: Seq[tuple[int, ...]]) -> DecodeRows:
     counts = np.fromiter(map(len, new), np.int64, len(new))
     lasts = np.array([tokens[-1] if tokens else -1 for tokens in new], np.int64)
     lasts = np.where(counts > 0, lasts, rows.last_tokens)
+    return _moved_on(rows, counts, lasts, lists if copies is None else tuple(copies))
+
+
+def _appended_one_each(rows: DecodeRows, tokens: np.ndarray) -> DecodeRows:
+    """`appended` of one token per row (`tokens`, int64 [M])."""
+    lists = rows.new_tokens
+    if any(map(int.__ne__, map(len, lists), rows.num_new.tolist())):  # see `appended`
+        return appended(rows, [(token,) for token in tokens.tolist()])
+    for held, token in zip(lists, tokens.tolist()):
+        held.append(token)
+    return _moved_on(rows, 1, tokens, lists)
+
+
+def _moved_on(rows: DecodeRows, counts, lasts, lists: tuple[list[int], ...]) -> DecodeRows:
+    """The rows after row i gained `counts[i]` tokens (ending in `lasts[i]`), held in `lists`."""
     return DecodeRows(
         rows.groups, rows.request_ids, rows.seq_ids, rows.arrivals, _column(rows.lengths + counts),
-        _column(rows.num_output + counts), rows.max_tokens, _column(lasts),
-        lists if copies is None else tuple(copies), _column(rows.num_new + counts))
+        _column(rows.num_output + counts), rows.max_tokens, _column(lasts), lists, _column(rows.num_new + counts))
 
 
 def sequence_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,

@@ -14,7 +14,8 @@ then run the model. A step never both swaps out and swaps in, so host blocks are
 within a step; copy sources are always blocks still referenced, never ones freed this step.
 
 `update` first marks every scheduled token computed, then applies the actions by kind, whatever
-their order in the tuple: `Append`s and `Fork`s (a child copies its parent as it was sampled,
+their order in the tuple: `Append`s (or an `AppendEach`, the Appends of many sequences in
+one action) and `Fork`s (a child copies its parent as it was sampled,
 without the parent's own Append), then `Finish`es and `Drop`s. Every sequence sampled this step
 needs an `Append`, a `Finish` or a `Drop`. A group may not end an update with more unfinished
 sequences than it started with (forks replace sequences that end), which keeps the
@@ -58,6 +59,7 @@ from engine.core.scheduler_state import (
     PREEMPTION_MODES,
     Action,
     Append,
+    AppendEach,
     AppendMany,
     Drop,
     Finish,
@@ -78,6 +80,7 @@ __all__ = [
     "PREEMPTION_MODES",
     "Action",
     "Append",
+    "AppendEach",
     "AppendMany",
     "Drop",
     "Finish",

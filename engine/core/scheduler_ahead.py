@@ -6,12 +6,15 @@ works naming them."""
 
 from collections.abc import Callable, Mapping, Sequence
 
-from engine.core import block_manager
+import numpy as np
+
+from engine.core import block_manager, scheduled_rows
 from engine.core.block_manager import BlockManagerState
 from engine.core.block_pool import blocks_for
+from engine.core.scheduled_rows import PlannedWorks, ScheduledRows
 from engine.core.scheduler_state import ScheduledGroupWork, SchedulerConfig
 
-Works = tuple[ScheduledGroupWork, ...]
+Works = Sequence[ScheduledGroupWork]  # a tuple, or PlannedWorks
 
 
 def reserve_next_blocks(
@@ -25,10 +28,12 @@ def reserve_next_blocks(
     max_tokens and max_model_len). `tokens_left()` gives, per sequence of a group that does not
     fork, the tokens it may still generate (called only when a decode opens a block)."""
     size, max_model_len = config.block_manager.block_size, config.max_model_len
-    opening = [work.seq_ids[0] for work in works if not work.is_prefill
-               and len(work.block_table) * size <= work.start + len(work.token_ids) < max_model_len]
+    row_works, others = scheduled_rows.rows_of(works)
+    opening = [] if row_works is None else _rows_opening(row_works, size, max_model_len)
+    opening += [work.seq_ids[0] for work in others if not work.is_prefill
+                and len(work.block_table) * size <= work.start + len(work.token_ids) < max_model_len]
     if not opening:  # most steps: every next token's slot is in its table already
-        return blocks, tuple(works)
+        return blocks, works if row_works is not None else tuple(works)
     wanted, left = {}, tokens_left()
     budget = block_manager.num_free_device_blocks(blocks)
     for seq_id in opening:
@@ -37,6 +42,13 @@ def reserve_next_blocks(
             if fresh <= budget:
                 wanted[seq_id], budget = 1, budget - fresh
     return _with_blocks(blocks, works, wanted)
+
+
+def _rows_opening(works: ScheduledRows, size: int, max_model_len: int) -> list[int]:
+    """The seq ids of the rows whose next token (after this step's) opens a block, within
+    `max_model_len`."""
+    ends = works.starts + 1
+    return works.rows.seq_ids[(works.table_lengths() * size <= ends) & (ends < max_model_len)].tolist()
 
 
 def reserve_steps(
@@ -72,11 +84,17 @@ def _with_blocks(
     them), and the works of `num_steps` as multi-step decodes of that many steps."""
     if counts:
         blocks = block_manager.append_blocks(blocks, counts)
+    row_works, others = scheduled_rows.rows_of(works)
     changed = []
-    for work in works:
+    for work in others:
         seq_id, steps = work.seq_ids[0], (num_steps or {}).get(work.seq_ids[0], 1)
         if seq_id in counts or steps > 1:
             table = block_manager.block_table(blocks, seq_id) if seq_id in counts else work.block_table
             work = work.changed(block_table=table, num_steps=steps)
         changed.append(work)
-    return blocks, tuple(changed)
+    if row_works is None:
+        return blocks, tuple(changed)
+    assert not num_steps, "a multi-step decode's works are records"
+    rows = np.flatnonzero(np.isin(row_works.rows.seq_ids, list(counts))).tolist()
+    tables = {i: block_manager.block_table(blocks, int(row_works.rows.seq_ids[i])) for i in rows}
+    return blocks, PlannedWorks(row_works.with_tables(tables), tuple(changed))

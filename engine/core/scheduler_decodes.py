@@ -1,16 +1,20 @@
 """A step's decodes given their slots: as records (`Decodes`), or from the rows' columns
 (`plan_rows`); part of `schedule()` (`engine.core.scheduler_plan`)."""
 
+import operator
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from engine.core import block_manager, decode_rows
+from engine.core import block_manager, decode_rows, scheduled_rows
 from engine.core.block_manager import BlockManagerState
 from engine.core.decode_rows import DecodeRows
+from engine.core.scheduled_rows import ScheduledRows
 from engine.core.scheduler_state import ScheduledGroupWork
 from engine.core.sequence import Sequence as SeqRecord
 from engine.core.sequence import SequenceGroup
+
+_BLOCK_TABLE = operator.attrgetter("block_table")
 
 
 class Decodes:
@@ -21,6 +25,7 @@ class Decodes:
 
     def __init__(self, blocks: BlockManagerState):
         self.blocks, self.groups, self.work, self.copies = blocks, [], [], []
+        self.rows: ScheduledRows | None = None  # the rows' works, as columns, before `work` (`plan_rows`)
         self.free = block_manager.num_free_device_blocks(blocks)
         self.block_size = blocks.config.block_size
 
@@ -80,7 +85,10 @@ def plan_rows(rows: DecodeRows, blocks: BlockManagerState, groups: Sequence[Sequ
     the same works and block operations, in the same order). A row is planned from the
     columns; only one whose token starts a block (one to open, reserved ahead, or shared) has
     its record made. Returns them as `Decodes` (whose `groups` are the record groups alone);
-    None when the pool lacks a block one needs (then the records' path preempts)."""
+    None when the pool lacks a block one needs (then the records' path preempts). Without
+    record groups, the rows' works are columns (`Decodes.rows`: `_plan_rows_alone`)."""
+    if not groups:
+        return _plan_rows_alone(rows, blocks)
     decodes, size, entries = Decodes(blocks), blocks.config.block_size, blocks.seqs
     at = np.searchsorted(rows.arrivals, [group.arrival for group in groups]).tolist()
     starts = (rows.lengths - 1).tolist()
@@ -104,6 +112,25 @@ def plan_rows(rows: DecodeRows, blocks: BlockManagerState, groups: Sequence[Sequ
     for group in groups[len(groups) - len(at):]:
         if not _add_group(decodes, group):
             return None
+    return decodes
+
+
+def _plan_rows_alone(rows: DecodeRows, blocks: BlockManagerState) -> Decodes | None:
+    """`plan_rows` without record groups: the works as columns. Only the rows whose token
+    starts a block are looked at one by one (as `plan_rows` looks at them)."""
+    decodes, size, entries = Decodes(blocks), blocks.config.block_size, blocks.seqs
+    seq_ids = rows.seq_ids.tolist()
+    tables = list(map(_BLOCK_TABLE, map(entries.__getitem__, seq_ids)))
+    works = scheduled_rows.planned(rows, tables)
+    changed = {}
+    for i in np.flatnonzero(works.starts % size == 0).tolist():
+        table, index = tables[i], int(works.starts[i]) // size
+        if index == len(table) or decodes.blocks.device.refcounts[table[index]] > 1:
+            work = decodes.single_work(rows.request_ids[i], decode_rows.sequence_at(rows, i))
+            if work is None:
+                return None
+            changed[i] = work.block_table
+    decodes.rows = works.with_tables(changed)
     return decodes
 
 

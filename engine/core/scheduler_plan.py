@@ -10,6 +10,7 @@ from engine.core.block_manager import AllocStatus, BlockManagerState
 from engine.core.block_pool import blocks_for
 from engine.core.decode_rows import NO_ROWS, DecodeRows
 from engine.core.records import record
+from engine.core.scheduled_rows import PlannedWorks, ScheduledRows
 from engine.core.scheduler_decodes import Decodes, plan_rows, tokens_left
 from engine.core.scheduler_state import (
     ScheduledGroupWork,
@@ -25,10 +26,12 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_un
 @record
 class _PartialPlan:
     """What schedule() has decided so far in one step: `rows` and `running` run (the groups
-    held as rows, and the others as records)."""
+    held as rows, and the others as records); the rows' works are `row_works` (columns, first
+    in the step's works) when planned from the columns alone, else in `work`."""
 
     blocks: BlockManagerState
     rows: DecodeRows = NO_ROWS
+    row_works: ScheduledRows | None = None
     running: tuple[SequenceGroup, ...] = ()
     work: tuple[ScheduledGroupWork, ...] = ()
     num_tokens: int = 0
@@ -107,10 +110,13 @@ def _add_to_batch(
 
 
 def _add_decodes(step: _PartialPlan, decodes: Decodes) -> _PartialPlan:
-    """`step` with the groups of `decodes` and their work (its blocks must be the ones they started from)."""
-    if not decodes.work:
+    """`step` with the groups of `decodes` and their work (its blocks must be the ones they
+    started from); the rows' works, if `decodes` holds them as columns, as `row_works`."""
+    if not decodes.work and decodes.rows is None:
         return step
     assert decodes.free == block_manager.num_free_device_blocks(decodes.blocks), "the decodes' blocks were miscounted"
+    if decodes.rows is not None:
+        step = dataclasses.replace(step, row_works=decodes.rows, num_tokens=step.num_tokens + len(decodes.rows))
     return _add_to_batch(step, tuple(decodes.groups), tuple(decodes.work), decodes.blocks, tuple(decodes.copies))
 
 
@@ -229,7 +235,8 @@ def _schedule_prefills(step: _PartialPlan, groups, config: SchedulerConfig) -> _
 def _only_decodes(step: _PartialPlan) -> bool:
     """Whether the step decodes and does nothing else: no prefill, swap, preemption or refusal,
     and no group that may fork (beam search chooses its beams on the host at every step)."""
-    return (bool(step.work) and not (step.preempted or step.swap_in or step.swap_out or step.ignored)
+    return ((bool(step.work) or step.row_works is not None)
+            and not (step.preempted or step.swap_in or step.swap_out or step.ignored)
             and not any(work.is_prefill for work in step.work) and not any(group.may_fork for group in step.running))
 
 
@@ -311,16 +318,17 @@ def schedule(
             step, waiting = _take_in_order(step, waiting, config, admission.admission_status, _admit)
     ahead = config.reserve_next_block and not (swapped or waiting)
     reserved = None
+    works = step.work if step.row_works is None else PlannedWorks(step.row_works, step.work)
     if num_steps > 1 and _only_decodes(step):
         left = tokens_left(step.rows, step.running)
-        reserved = scheduler_ahead.reserve_steps(step.blocks, step.work, left, num_steps, config, ahead)
+        reserved = scheduler_ahead.reserve_steps(step.blocks, tuple(works), left, num_steps, config, ahead)
     if reserved is None and ahead and not step.preempted:
         left_later = functools.partial(tokens_left, step.rows, step.running)  # read only when a block opens
-        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, step.work, left_later, config)
+        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, works, left_later, config)
     if reserved is not None:
-        step = dataclasses.replace(step, blocks=reserved[0], work=reserved[1])
+        step, works = dataclasses.replace(step, blocks=reserved[0]), reserved[1]
     output = SchedulerOutput(
-        scheduled=step.work,
+        scheduled=works,
         blocks_to_swap_in=step.swap_in,
         blocks_to_swap_out=step.swap_out,
         blocks_to_copy=step.copies,

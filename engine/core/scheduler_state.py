@@ -5,6 +5,7 @@
 
 import dataclasses
 
+import numpy as np
 from rpds import HashTrieSet
 
 from engine.core import decode_rows
@@ -130,12 +131,22 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         """Tokens the model runs this step."""
-        return sum(len(work.token_ids) for work in self.scheduled)
+        rows, others = _rows_and_others(self.scheduled)
+        return rows + sum(len(work.token_ids) for work in others)
 
     @property
     def num_steps(self) -> int:
         """Model steps the plan runs: more than one for a multi-step decode."""
-        return max((work.num_steps for work in self.scheduled), default=1)
+        return max((work.num_steps for work in _rows_and_others(self.scheduled)[1]), default=1)
+
+
+def _rows_and_others(works) -> tuple[int, tuple[ScheduledGroupWork, ...]]:
+    """A plan's works: the number of rows' decodes held as columns (one token, one step each:
+    `engine.core.scheduled_rows`), and the other works."""
+    from engine.core import scheduled_rows  # it builds on this module's records
+
+    rows, others = scheduled_rows.rows_of(works)
+    return (0 if rows is None else len(rows)), others
 
 
 @record
@@ -144,6 +155,27 @@ class Append:
 
     seq_id: int
     token_id: int
+
+
+@record(eq=False)
+class AppendEach:
+    """An `Append` of `token_ids[i]` to sequence `seq_ids[i]` for every i, in order (int64
+    [M] each): a step's tokens for many sequences in one action."""
+
+    seq_ids: np.ndarray
+    token_ids: np.ndarray
+
+    def appends(self) -> list[Append]:
+        """The same as one `Append` each."""
+        return list(map(Append, self.seq_ids.tolist(), self.token_ids.tolist()))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, AppendEach):
+            return NotImplemented
+        return np.array_equal(self.seq_ids, other.seq_ids) and np.array_equal(self.token_ids, other.token_ids)
+
+    def __hash__(self) -> int:
+        return hash((self.seq_ids.tobytes(), self.token_ids.tobytes()))
 
 
 @record
@@ -189,7 +221,7 @@ class Drop:
     seq_id: int
 
 
-Action = Append | AppendMany | Fork | Finish | Drop
+Action = Append | AppendEach | AppendMany | Fork | Finish | Drop
 
 
 @record

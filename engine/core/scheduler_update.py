@@ -12,19 +12,26 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from engine.core import block_manager, decode_rows
+from engine.core import block_manager, decode_rows, scheduled_rows
 from engine.core.block_manager import BlockManagerState
 from engine.core.decode_rows import NO_ROWS
 from engine.core.scheduler_state import (
     Action,
     Append,
+    AppendEach,
     AppendMany,
     Finish,
     SchedulerState,
     SchedulerUsageError,
     without_ids,
 )
-from engine.core.scheduler_update_general import action_target, reached_length, update_in_general, update_records
+from engine.core.scheduler_update_general import (
+    action_target,
+    expanded,
+    reached_length,
+    update_in_general,
+    update_records,
+)
 from engine.core.sequence import Sequence, SequenceStatus
 
 __all__ = ["update", "update_in_general"]
@@ -40,6 +47,7 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     updated = _update_rows(state, actions)
     if updated is not None:
         return updated
+    actions = expanded(actions)
     state = state.without_rows()
     updated = _one_token_each(state, actions)
     return _settle(updated if updated is not None else update_in_general(state, actions))
@@ -57,7 +65,8 @@ def _settle(state: SchedulerState) -> SchedulerState:
 
 def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState | None:
     """`update` for a step planned from the rows as they are (no abort since): each row one
-    Append or AppendMany, in the rows' order, and a Finish after it where the sequence stopped.
+    Append or AppendMany, in the rows' order, and a Finish after it where the sequence stopped
+    (or an AppendEach of every row first, and the Finishes of rows after it).
     The rows are recorded from the columns (records made again only for those that filled a
     block or end), the record groups as `update_in_general` does, every block operation in the
     order it makes them: the records' between the rows' where they arrived after every row;
@@ -68,8 +77,13 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     if state.pending_rows is not rows:
         return None
     seq_ids = rows.seq_ids.tolist()
-    row_works, record_works = _split_works(seq_ids, works) if groups else (works, ())
-    new, ended, others = _rows_tokens(seq_ids, row_works, actions)
+    planned, record_works = scheduled_rows.rows_of(works)
+    if planned is not None:  # the rows' works as columns: one step each
+        row_steps = [1] * len(seq_ids)
+    else:
+        row_works, record_works = _split_works(seq_ids, works) if groups else (works, ())
+        row_steps = [work.num_steps for work in row_works]
+    new, ended, others = _rows_tokens(rows.seq_ids, row_steps, actions)
     if new is None or (others and not groups):
         return None
     before, rows = rows.lengths, decode_rows.appended(rows, new)
@@ -134,19 +148,23 @@ def _split_works(seq_ids: list[int], works) -> tuple[list, list]:
     return row_works, record_works
 
 
-def _rows_tokens(seq_ids: list[int], works, actions: list[Action]
-                 ) -> tuple[list[tuple[int, ...]] | None, dict[int, SequenceStatus], list[Action]]:
-    """From the actions on the rows of `seq_ids` (in that order, the records' anywhere between
-    them), with `works` the rows' works: each row's new tokens, in order, and the rows that
-    stopped (with the Finish's status); and the other actions. None for the tokens when a row
-    gets none, or an action on a row is out of that order."""
+def _rows_tokens(row_seq_ids: np.ndarray, row_steps: list[int], actions: list[Action]
+                 ) -> tuple[list[tuple[int, ...]] | np.ndarray | None, dict[int, SequenceStatus], list[Action]]:
+    """From the actions on the rows of `row_seq_ids` (in that order, the records' anywhere
+    between them), with `row_steps` the steps of the rows' works: each row's new tokens, in
+    order (an int64 array of one each, from an `AppendEach` of every row, first), and the rows
+    that stopped (with the Finish's status); and the other actions. None for the tokens when a
+    row gets none, or an action on a row is out of that order."""
+    seq_ids = row_seq_ids.tolist()
+    if actions and type(actions[0]) is AppendEach and np.array_equal(actions[0].seq_ids, row_seq_ids):
+        return _rows_ends(seq_ids, actions[0].token_ids, actions[1:])
     new, ended, count, others, ids = [], {}, len(seq_ids), [], None
-    for action in actions:
+    for action in expanded(actions):
         kind, row = type(action), len(new)
         if kind is Append and row < count and action.seq_id == seq_ids[row]:
             new.append((action.token_id,))
         elif (kind is AppendMany and row < count and action.seq_id == seq_ids[row]
-              and action.fits(works[row].num_steps)):
+              and action.fits(row_steps[row])):
             new.append(action.token_ids)
         elif (kind is Finish and row and action.seq_id == seq_ids[row - 1] and row - 1 not in ended
               and action.has_valid_status):
@@ -157,6 +175,25 @@ def _rows_tokens(seq_ids: list[int], works, actions: list[Action]
                 return None, ended, others
             others.append(action)
     return (new if len(new) == count else None), ended, others
+
+
+def _rows_ends(seq_ids: list[int], tokens: np.ndarray, actions: list[Action]
+               ) -> tuple[np.ndarray | None, dict[int, SequenceStatus], list[Action]]:
+    """`_rows_tokens` after an `AppendEach` of every row (`tokens`): the Finishes of rows,
+    in their order, and the other actions (None for the tokens if one is on a row)."""
+    ended, others, row_of = {}, [], None
+    for action in actions:
+        if type(action) is AppendEach:
+            return None, ended, others
+        row_of = row_of or {seq_id: row for row, seq_id in enumerate(seq_ids)}
+        row = row_of.get(action_target(action))
+        if row is None:
+            others.append(action)
+        elif type(action) is Finish and row not in ended and action.has_valid_status:
+            ended[row] = action.status
+        else:
+            return None, ended, others
+    return tokens, ended, others
 
 
 def _fits_one_token_each(state: SchedulerState, actions: list[Action]) -> bool:

@@ -16,6 +16,7 @@ from engine.core.block_manager import BlockManagerState
 from engine.core.scheduler_state import (
     Action,
     Append,
+    AppendEach,
     AppendMany,
     Drop,
     Finish,
@@ -197,6 +198,14 @@ def _regroup_one(
     return blocks, group.with_seqs((seqs[seq_id],), group.in_prefill and seq_id not in sampled)
 
 
+def expanded(actions: list[Action]) -> list[Action]:
+    """`actions` with each `AppendEach` as its Appends."""
+    if not any(type(action) is AppendEach for action in actions):
+        return actions
+    return [each for action in actions
+            for each in (action.appends() if type(action) is AppendEach else (action,))]
+
+
 def update_in_general(state: SchedulerState, actions: list[Action]) -> SchedulerState:
     """`update` for any step: the actions checked against it (SchedulerUsageError for a
     mismatch) and applied by kind; every running group a record after it."""
@@ -212,7 +221,7 @@ def update_records(state: SchedulerState, actions: list[Action], after_forks: Bl
     computed, sampled = _computed_counts(state.pending, seqs)
     aborted = {seq_id for work in state.pending.scheduled for seq_id in work.seq_ids} - seqs.keys()
     by_kind = {kind: [] for kind in (Append, AppendMany, Fork, Finish, Drop)}
-    for action in actions:
+    for action in expanded(actions):
         if not aborted or action_target(action) not in aborted:
             by_kind[type(action)].append(action)
     child_ids = _child_ids(by_kind[Fork], state.next_seq_id)

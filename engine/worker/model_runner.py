@@ -26,6 +26,7 @@ import numpy as np
 
 import models
 import pallas_paged
+from engine.core import scheduled_rows
 from engine.core.scheduler import ScheduledGroupWork
 from engine.worker import sampling_rows, stages, tensor_parallel
 from models import Metadata
@@ -119,13 +120,12 @@ class ModelOutput:
     next_inputs: StepInputs | None = None
 
 
-def _fill_tables(block_tables: np.ndarray, works: Sequence[ScheduledGroupWork]) -> None:
-    """Write each work's block table into its row of ``block_tables`` (int32 [rows, max_blocks],
+def _fill_tables(block_tables: np.ndarray, tables: Sequence[tuple[int, ...]]) -> None:
+    """Write each of ``tables`` into its row of ``block_tables`` (int32 [rows, max_blocks],
     zeros), all rows in one assignment."""
-    lengths = np.fromiter((len(work.block_table) for work in works), np.int64, len(works))
-    flat = np.fromiter(itertools.chain.from_iterable(work.block_table for work in works), np.int32,
-                       int(lengths.sum()))
-    rows = np.repeat(np.arange(len(works)), lengths)
+    lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lengths.sum()))
+    rows = np.repeat(np.arange(len(tables)), lengths)
     block_tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = flat
 
 
@@ -197,7 +197,7 @@ class ModelRunner:
         block_tables = np.zeros((num_rows, self.max_blocks), np.int32)
         context_lens = np.zeros(num_rows, np.int32)
         query_start_loc = np.zeros(num_rows + 1, np.int32)
-        _fill_tables(block_tables, works)
+        _fill_tables(block_tables, [work.block_table for work in works])
         if decode_only:  # a token per work: whole columns at once
             n = len(works)
             input_ids[:n] = [work.token_ids[0] for work in works]
@@ -236,8 +236,13 @@ class ModelRunner:
         on the device from the tables before."""
         metadata, size, n = next_inputs.metadata, self.block_size, len(works)
         tables = np.zeros(metadata.block_tables.shape, np.int32)
-        _fill_tables(tables, works)
-        positions = np.fromiter((work.start for work in works), np.int64, n) + 1
+        planned, others = scheduled_rows.rows_of(works)
+        if planned is not None and not others:  # the rows' decodes: their columns
+            _fill_tables(tables, planned.tables)
+            positions = planned.starts + 1
+        else:
+            _fill_tables(tables, [work.block_table for work in works])
+            positions = np.fromiter((work.start for work in works), np.int64, n) + 1
         slots = np.full(metadata.slot_mapping.shape, -1, np.int32)
         slots[:n] = _slots(tables, np.arange(n), positions, size)
         tables, slots = jax.device_put((tables, slots), self._inputs)

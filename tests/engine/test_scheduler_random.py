@@ -12,6 +12,7 @@ import os
 from unittest import mock
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -137,6 +138,17 @@ def draw_actions(data, state: scheduler.SchedulerState, logits: dict) -> list:
                 actions.append(scheduler.Finish(seq_id, SequenceStatus.FINISHED_STOPPED))
                 room[work.request_id] += 1
     return actions
+
+
+def bundle_appends(actions: list) -> list:
+    """`actions` with every Append in one AppendEach, first (the others after it, in order);
+    `actions` itself when there is no Append."""
+    appends = [action for action in actions if type(action) is scheduler.Append]
+    if not appends:
+        return actions
+    each = scheduler.AppendEach(np.array([a.seq_id for a in appends], np.int64),
+                                np.array([a.token_id for a in appends], np.int64))
+    return [each] + [action for action in actions if type(action) is not scheduler.Append]
 
 
 def check_blocks(state: scheduler.SchedulerState) -> None:
@@ -270,6 +282,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             state = scheduler.abort(state, aborted)
         logits = {work: row for work, row in logits.items() if work.request_id != aborted}
         actions = draw_actions(data, state, logits)
+        if data.draw(st.booleans()):  # the output processor's form of a step of plain rows
+            bundled = bundle_appends(actions)
+            if bundled is not actions:
+                assert scheduler.update(state, bundled) == scheduler.update(state, actions)
+                if scheduler_update._update_rows(state, bundled) is not None:
+                    event("decode rows from one AppendEach")
+                actions = bundled
         updated = scheduler.update(state, actions)
         # The shortcuts (the rows' columns, one token each: most engine steps) and the general
         # path agree; the general path and a second update of the same state read the rows'

@@ -1,0 +1,116 @@
+"""A decode step's tokens recorded at once, for rows whose stops need no text.
+
+Most steps sample one token for each of the same sequences as the step before (the
+lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes text,
+log-probabilities or a constraint's state, or chooses beams, a token is recorded by the stop
+rules alone: it stops its sequence only at ``max_tokens``, or if it is a stop token (EOS
+included). :class:`PlainRows` holds what those rules read, made once for a tuple of rows and
+kept while they are the same; :func:`record` then appends every token, asks NumPy which rows
+may stop, and gives only those the whole :meth:`RequestState.record`. The scheduler gets one
+``AppendEach`` for all the rows (and a ``Finish`` for each that stopped) instead of an
+``Append`` each.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.core.records import record as frozen_record
+from engine.core.scheduler import AppendEach, Finish, SequenceStatus
+from engine.request_state import RequestState, SeqProgress
+from engine.sampling_params import RequestOutputKind
+
+
+@frozen_record(eq=False)
+class PlainRows:
+    """The rows ``rows`` (``sampling_rows.Row``s, M of them) as columns: their requests, their
+    sequences' progress and token lists, seq ids and ``max_tokens`` (int64 [M]), every row's
+    stop tokens together (int64 [S], sorted), the requests whose outputs go out at every step
+    (not ``FINAL_ONLY``), and those still without a first token time; the request ids, row by row."""
+
+    rows: tuple
+    request_ids: tuple[str, ...]
+    requests: tuple[RequestState, ...]
+    progress: tuple[SeqProgress, ...]
+    seq_ids: np.ndarray
+    max_tokens: np.ndarray
+    stop_tokens: np.ndarray
+    streamed: tuple[RequestState, ...]
+    first_token_pending: list[RequestState]
+
+
+def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRows | None:
+    """``rows`` as :class:`PlainRows`, or None unless each is plain: not beam search, no
+    log-probabilities (nor a cumulative one), no text (no ``tokenizer``, or ``detokenize``
+    False), no constraint, not finished."""
+    found = tuple(requests.get(row.request.request_id) for row in rows)
+    if not rows or any(request is None or not _plain(request, tokenizer) for request in found):
+        return None
+    progress = tuple(request.seqs[row.seq_id] for request, row in zip(found, rows))
+    if any(seq.matcher is not None or seq.finish_reason is not None for seq in progress):
+        return None
+    distinct = tuple({request.request_id: request for request in found}.values())
+    stops = sorted(set().union(*(request.stop_token_set for request in distinct)))
+    return PlainRows(
+        tuple(rows), tuple(request.request_id for request in found), found, progress,
+        np.fromiter((row.seq_id for row in rows), np.int64, len(rows)),
+        np.fromiter((request.max_tokens for request in found), np.int64, len(found)), np.array(stops, np.int64),
+        tuple(request for request in distinct if request.output_kind is not RequestOutputKind.FINAL_ONLY),
+        [request for request in distinct if request.first_token_time is None])
+
+
+def _plain(request: RequestState, tokenizer) -> bool:
+    return (not request.is_beam_search and not request.tracks_logprob
+            and (tokenizer is None or not request.params.detokenize))
+
+
+def still_valid(plain: PlainRows, requests: dict[str, RequestState]) -> bool:
+    """Whether ``plain``'s requests are still the engine's (none aborted or replaced)."""
+    return all(map(operator.is_, map(requests.get, plain.request_ids), plain.requests))
+
+
+def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState]) -> list:
+    """Record ``tokens`` (int [M], on the host), row i's for row i's sequence; the scheduler's
+    actions that follow. ``touched`` gets the requests with an output due: the streamed ones,
+    and those with a row that may have stopped."""
+    if plain.first_token_pending:
+        now = time.monotonic()
+        for request in plain.first_token_pending:
+            if request.first_token_time is None:
+                request.first_token_time = now
+        plain.first_token_pending.clear()
+    lists = [seq.token_ids for seq in plain.progress]
+    before = np.fromiter(map(len, lists), np.int64, len(lists))
+    may_stop = before + 1 >= plain.max_tokens
+    if plain.stop_tokens.size:
+        may_stop |= np.isin(tokens, plain.stop_tokens)
+    token_list = tokens.tolist()
+    actions = [AppendEach(plain.seq_ids, np.asarray(tokens, np.int64))]
+    if not may_stop.any():
+        for held, token in zip(lists, token_list):
+            held.append(token)
+    else:
+        for i, (held, token) in enumerate(zip(lists, token_list)):
+            if may_stop[i]:
+                actions += _record_one(plain.requests[i], plain.rows[i].seq_id, token, touched)
+            else:
+                held.append(token)
+    for request in plain.streamed:
+        touched[request.request_id] = request
+    return actions
+
+
+def _record_one(request: RequestState, seq_id: int, token: int, touched: dict[str, RequestState]) -> list:
+    """Record ``token`` by the request's own rules; a Finish if it stops the sequence."""
+    touched[request.request_id] = request
+    return [finish(request, seq_id)] if request.record(seq_id, token, 0.0, None, None) else []
+
+
+def finish(request: RequestState, seq_id: int) -> Finish:
+    """The scheduler's end of a sequence that stopped (a stop rule, or its max_tokens)."""
+    reason = request.seqs[seq_id].finish_reason
+    return Finish(seq_id, SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH)
