@@ -27,15 +27,17 @@ from engine.sampling_params import RequestOutputKind
 
 @frozen_record(eq=False)
 class PlainRows:
-    """The rows ``rows`` (``sampling_rows.Row``s, M of them) as columns: their requests, their
-    sequences' progress and token lists, seq ids and ``max_tokens`` (int64 [M]), every row's
-    stop tokens together (int64 [S], sorted), the requests whose outputs go out at every step
-    (not ``FINAL_ONLY``), and those still without a first token time; the request ids, row by row."""
+    """The rows ``rows`` (``sampling_rows.Row``s, M of them) as columns, row by row: their
+    request ids and requests, their sequences' progress and its token lists (which recording
+    appends to in place), seq ids and ``max_tokens`` (int64 [M]); every row's stop tokens
+    together (int64 [S], sorted), the requests whose outputs go out at every step (not
+    ``FINAL_ONLY``), and those still without a first token time."""
 
     rows: tuple
     request_ids: tuple[str, ...]
     requests: tuple[RequestState, ...]
     progress: tuple[SeqProgress, ...]
+    token_lists: tuple[list[int], ...]
     seq_ids: np.ndarray
     max_tokens: np.ndarray
     stop_tokens: np.ndarray
@@ -57,6 +59,7 @@ def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRow
     stops = sorted(set().union(*(request.stop_token_set for request in distinct)))
     return PlainRows(
         tuple(rows), tuple(request.request_id for request in found), found, progress,
+        tuple(seq.token_ids for seq in progress),
         np.fromiter((row.seq_id for row in rows), np.int64, len(rows)),
         np.fromiter((request.max_tokens for request in found), np.int64, len(found)), np.array(stops, np.int64),
         tuple(request for request in distinct if request.output_kind is not RequestOutputKind.FINAL_ONLY),
@@ -83,7 +86,7 @@ def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState
             if request.first_token_time is None:
                 request.first_token_time = now
         plain.first_token_pending.clear()
-    lists = [seq.token_ids for seq in plain.progress]
+    lists = plain.token_lists
     before = np.fromiter(map(len, lists), np.int64, len(lists))
     may_stop = before + 1 >= plain.max_tokens
     if plain.stop_tokens.size:

@@ -44,7 +44,10 @@ class DecodeRows:
     `groups[i]` is row i's group as it entered the rows; `new_tokens[i][: num_new[i]]` the
     tokens its sequence gained since. `lengths` counts each sequence's tokens now (prompt and
     output: the next decode computes position ``lengths - 1``, every token before it computed),
-    `num_output` its generated tokens, `last_tokens` its last token.
+    `num_output` its generated tokens, `last_tokens` its last token. `tables`, when known,
+    are the rows' block tables as the last step planned them (which its update leaves as they
+    are; None: read them from the block manager): a step that changes none of them reads none.
+    They are derived data, not part of the rows' value (equality ignores them).
     """
 
     groups: tuple[SequenceGroup, ...]
@@ -57,6 +60,7 @@ class DecodeRows:
     last_tokens: np.ndarray
     new_tokens: tuple[list[int], ...]
     num_new: np.ndarray
+    tables: tuple[tuple[int, ...], ...] | None = None
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -112,7 +116,7 @@ def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
     if added.arrivals[0] < rows.arrivals[-1]:
         order = np.argsort(np.concatenate([rows.arrivals, added.arrivals]), kind="stable")
     return DecodeRows(*(_joined(getattr(rows, field.name), getattr(added, field.name), order)
-                        for field in dataclasses.fields(DecodeRows)))
+                        for field in dataclasses.fields(DecodeRows) if field.name != "tables"))
 
 
 def _joined(first, second, order: np.ndarray | None):
@@ -135,14 +139,17 @@ def without(rows: DecodeRows, dropped: Iterable[int]) -> DecodeRows:
         tuple(rows.groups[i] for i in index), tuple(rows.request_ids[i] for i in index),
         *(_column(column[keep]) for column in (rows.seq_ids, rows.arrivals, rows.lengths, rows.num_output,
                                                rows.max_tokens, rows.last_tokens)),
-        tuple(rows.new_tokens[i] for i in index), _column(rows.num_new[keep]))
+        tuple(rows.new_tokens[i] for i in index), _column(rows.num_new[keep]),
+        None if rows.tables is None else tuple(rows.tables[i] for i in index))
 
 
-def appended(rows: DecodeRows, new: Seq[tuple[int, ...]] | np.ndarray) -> DecodeRows:
+def appended(rows: DecodeRows, new: Seq[tuple[int, ...]] | np.ndarray,
+             tables: tuple[tuple[int, ...], ...] | None = None) -> DecodeRows:
     """The rows after row i's sequence gained the tokens `new[i]` (its last token computed too:
-    every token but the new last one is); `new` an int64 array [M] when each gained one."""
+    every token but the new last one is); `new` an int64 array [M] when each gained one. Their
+    block tables are `tables` (the step's, if it planned them as columns; else unknown)."""
     if isinstance(new, np.ndarray):
-        return _appended_one_each(rows, new)
+        return _appended_one_each(rows, new, tables)
     lists, num_new, copies = rows.new_tokens, rows.num_new.tolist(), None
     for i, tokens in enumerate(new):
         held = lists[i]
@@ -154,24 +161,26 @@ def appended(rows: DecodeRows, new: Seq[tuple[int, ...]] | np.ndarray) -> Decode
     counts = np.fromiter(map(len, new), np.int64, len(new))
     lasts = np.array([tokens[-1] if tokens else -1 for tokens in new], np.int64)
     lasts = np.where(counts > 0, lasts, rows.last_tokens)
-    return _moved_on(rows, counts, lasts, lists if copies is None else tuple(copies))
+    return _moved_on(rows, counts, lasts, lists if copies is None else tuple(copies), tables)
 
 
-def _appended_one_each(rows: DecodeRows, tokens: np.ndarray) -> DecodeRows:
+def _appended_one_each(rows: DecodeRows, tokens: np.ndarray, tables) -> DecodeRows:
     """`appended` of one token per row (`tokens`, int64 [M])."""
     lists = rows.new_tokens
     if any(map(int.__ne__, map(len, lists), rows.num_new.tolist())):  # see `appended`
-        return appended(rows, [(token,) for token in tokens.tolist()])
+        return appended(rows, [(token,) for token in tokens.tolist()], tables)
     for held, token in zip(lists, tokens.tolist()):
         held.append(token)
-    return _moved_on(rows, 1, tokens, lists)
+    return _moved_on(rows, 1, tokens, lists, tables)
 
 
-def _moved_on(rows: DecodeRows, counts, lasts, lists: tuple[list[int], ...]) -> DecodeRows:
-    """The rows after row i gained `counts[i]` tokens (ending in `lasts[i]`), held in `lists`."""
+def _moved_on(rows: DecodeRows, counts, lasts, lists: tuple[list[int], ...], tables) -> DecodeRows:
+    """The rows after row i gained `counts[i]` tokens (ending in `lasts[i]`), held in `lists`,
+    with block tables `tables`."""
     return DecodeRows(
         rows.groups, rows.request_ids, rows.seq_ids, rows.arrivals, _column(rows.lengths + counts),
-        _column(rows.num_output + counts), rows.max_tokens, _column(lasts), lists, _column(rows.num_new + counts))
+        _column(rows.num_output + counts), rows.max_tokens, _column(lasts), lists, _column(rows.num_new + counts),
+        tables)
 
 
 def sequence_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,

@@ -11,6 +11,7 @@ first use for the paths that read works one by one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ class ScheduledRows:
     def __len__(self) -> int:
         return len(self.tables)
 
+    @functools.cached_property
     def table_lengths(self) -> np.ndarray:
         """Blocks in each row's table: int64 [M]."""
         return np.fromiter(map(len, self.tables), np.int64, len(self.tables))

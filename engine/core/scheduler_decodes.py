@@ -120,7 +120,9 @@ def _plan_rows_alone(rows: DecodeRows, blocks: BlockManagerState) -> Decodes | N
     starts a block are looked at one by one (as `plan_rows` looks at them)."""
     decodes, size, entries = Decodes(blocks), blocks.config.block_size, blocks.seqs
     seq_ids = rows.seq_ids.tolist()
-    tables = list(map(_BLOCK_TABLE, map(entries.__getitem__, seq_ids)))
+    tables = rows.tables  # as the last step left them, when it planned them as columns
+    if tables is None:
+        tables = list(map(_BLOCK_TABLE, map(entries.__getitem__, seq_ids)))
     works = scheduled_rows.planned(rows, tables)
     changed = {}
     for i in np.flatnonzero(works.starts % size == 0).tolist():

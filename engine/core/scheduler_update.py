@@ -86,7 +86,7 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     new, ended, others = _rows_tokens(rows.seq_ids, row_steps, actions)
     if new is None or (others and not groups):
         return None
-    before, rows = rows.lengths, decode_rows.appended(rows, new)
+    before, rows = rows.lengths, decode_rows.appended(rows, new, None if planned is None else planned.tables)
     size, caching = state.config.block_manager.block_size, state.config.block_manager.enable_prefix_caching
     filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
     blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
