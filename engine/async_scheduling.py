@@ -69,9 +69,10 @@ class Lookahead:
     """A decode step (or a multi-step decode's loop: ``engine.multi_step``) dispatched before
     the scheduler decided it, and its sampling. Its works are ``works``, each ``positions_on``
     positions after its ``start`` (placeholder tokens): a single-step lookahead keeps the works
-    of the step before it, rather than remaking every one of them each step."""
+    of the step before it (as the plan held them: the rows' as columns), rather than remaking
+    every one of them each step."""
 
-    works: tuple[ScheduledGroupWork, ...]
+    works: Sequence[ScheduledGroupWork]  # a tuple, or the plan's PlannedWorks
     in_flight: object  # InFlightStep, or multi_step.InFlightSteps
     positions_on: int = 0
 

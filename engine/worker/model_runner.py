@@ -109,9 +109,9 @@ class StepInputs:
 
 @flax.struct.dataclass
 class ModelOutput:
-    """What the model gives for a step: float32 logits [L, vocab]. Decode steps run as one
-    program (``ONE_PROGRAM_ROWS``) also give, else None, each row's arg-max (int32 [L]; valid
-    when ``Metadata.argmax_rows`` is set) and the inputs of the decode one position on
+    """What the model gives for a step: float32 logits [L, vocab], and each row's arg-max
+    (int32 [L]; valid when ``Metadata.argmax_rows`` is set). Decode steps run as one
+    program (``ONE_PROGRAM_ROWS``) also give, else None, the inputs of the decode one position on
     (:meth:`ModelRunner.advance`'s, with this step's input ids), computed in that program so
     that a lookahead waits on nothing else."""
 
@@ -281,7 +281,8 @@ class ModelRunner:
             x, kv_cache = layer(layer_params, x, positional, inputs.metadata, kv_cache)
             new_caches.append(kv_cache)
         h = call("pick", x, inputs.logits_rows) if inputs.pick else x
-        return ModelOutput(call("head", self.outer_params, h, inputs.metadata.argmax_rows)), new_caches
+        logits, argmax = call("head", self.outer_params, h, inputs.metadata.argmax_rows)
+        return ModelOutput(logits, argmax), new_caches
 
     def run_steps(self, inputs: StepInputs, kv_caches, batch, steps: Sequence[int], max_steps: int):
         """A multi-step decode of the works ``inputs`` was prepared from (a decode step): row i

@@ -48,7 +48,16 @@ def _pick(config, x, rows):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _head(config, params, h, argmax_rows):
-    return models.stages(config).head(params, h, jax.numpy.arange(h.shape[0]), argmax_rows)
+    """The logits of ``h``'s rows (float32 [L, vocab]) and, when ``argmax_rows`` is set (the
+    sampler would take nothing else), each row's arg-max (int32 [L]; zeros otherwise)."""
+    logits = models.stages(config).head(params, h, jax.numpy.arange(h.shape[0]), argmax_rows)
+    return logits, _argmax_if_asked(logits, argmax_rows)
+
+
+def _argmax_if_asked(logits, argmax_rows):
+    """Each row's arg-max of ``logits`` when ``argmax_rows`` > 0, else zeros (int32 [L])."""
+    return jax.lax.cond(argmax_rows > 0, sampler.argmax, lambda x: jax.numpy.zeros(x.shape[0], jax.numpy.int32),
+                        logits)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
@@ -60,9 +69,7 @@ def _decode(config, params, input_ids, positions, metadata, kv_caches):
     after this step waits on this program alone."""
     every_row = metadata.replace(logits_indices=jax.numpy.arange(input_ids.shape[0]))
     logits, kv_caches = models.forward_fn(config)(params, input_ids, positions, every_row, kv_caches)
-    tokens = jax.lax.cond(metadata.argmax_rows > 0, sampler.argmax,
-                          lambda x: jax.numpy.zeros(x.shape[0], jax.numpy.int32), logits)
-    return logits, kv_caches, tokens, _advanced(positions, metadata)
+    return logits, kv_caches, _argmax_if_asked(logits, metadata.argmax_rows), _advanced(positions, metadata)
 
 
 def _advanced(positions, metadata):
