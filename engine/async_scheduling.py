@@ -141,7 +141,7 @@ def _rows_eligible(planned: ScheduledRows, requests: dict[str, RequestState], bl
     except KeyError:  # a request aborted since
         return False
     return bool(np.all((rows.num_output >= static_from) & (rows.num_output + 1 < rows.max_tokens)
-                       & (planned.starts + 1 < planned.table_lengths * block_size)))
+                       & planned.next_slot_held(block_size)))
 
 
 def sampling_is_static(request: RequestState, seq_id: int) -> bool:

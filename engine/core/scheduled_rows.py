@@ -39,6 +39,10 @@ class ScheduledRows:
         """Blocks in each row's table: int64 [M]."""
         return np.fromiter(map(len, self.tables), np.int64, len(self.tables))
 
+    def next_slot_held(self, block_size: int) -> np.ndarray:
+        """Whether each row's table holds the slot of the token after this step's: bool [M]."""
+        return self.starts + 1 < self.table_lengths * block_size
+
     def works(self) -> tuple[ScheduledGroupWork, ...]:
         """The works as records."""
         rows = self.rows

@@ -47,8 +47,7 @@ def reserve_next_blocks(
 def _rows_opening(works: ScheduledRows, size: int, max_model_len: int) -> list[int]:
     """The seq ids of the rows whose next token (after this step's) opens a block, within
     `max_model_len`."""
-    ends = works.starts + 1
-    return works.rows.seq_ids[(works.table_lengths * size <= ends) & (ends < max_model_len)].tolist()
+    return works.rows.seq_ids[~works.next_slot_held(size) & (works.starts + 1 < max_model_len)].tolist()
 
 
 def reserve_steps(

@@ -45,8 +45,8 @@ class Decodes:
         case, a slot in a block only this sequence holds, changes no block state."""
         start = seq.num_computed_tokens
         assert seq.len - start == 1, "a decoding sequence computes one token"
-        table, index = self.blocks.seqs[seq.seq_id].block_table, start // self.block_size
-        if index == len(table) or self.blocks.device.refcounts[table[index]] > 1:  # a new block, or a copy
+        table = self.blocks.seqs[seq.seq_id].block_table
+        if self.slot_needs_block(table, start):
             needs = block_manager.append_needs(self.blocks, (seq,))
             if needs > self.free:
                 return None
@@ -57,6 +57,12 @@ class Decodes:
             table = self.blocks.seqs[seq.seq_id].block_table
         token = seq.output_token_ids[-1:] if seq.output_token_ids else seq.tokens(start, start + 1)
         return ScheduledGroupWork(request_id, (seq.seq_id,), token, start, table, False, True)
+
+    def slot_needs_block(self, table: tuple[int, ...], position: int) -> bool:
+        """Whether writing `position` through `table` takes a block: a new one (past the
+        table's end), or a copy of a shared one."""
+        index = position // self.block_size
+        return index == len(table) or self.blocks.device.refcounts[table[index]] > 1
 
     def needs(self, group: SequenceGroup) -> int:
         """The blocks `add` takes from the pool for `group` (`block_manager.append_needs` on the
@@ -101,8 +107,8 @@ def plan_rows(rows: DecodeRows, blocks: BlockManagerState, groups: Sequence[Sequ
         # Within a block, the slot is in the row's last block, which no other sequence holds
         # (only full blocks are shared, by the prefix cache; rows do not fork). Other rows'
         # and groups' slots change no row's entry, so `entries` holds this one's still.
-        table, index = entries[seq_id].block_table, start // size
-        if start % size == 0 and (index == len(table) or decodes.blocks.device.refcounts[table[index]] > 1):
+        table = entries[seq_id].block_table
+        if start % size == 0 and decodes.slot_needs_block(table, start):
             work = decodes.single_work(request_id, decode_rows.sequence_at(rows, i))
             if work is None:
                 return None
@@ -126,8 +132,7 @@ def _plan_rows_alone(rows: DecodeRows, blocks: BlockManagerState) -> Decodes | N
     works = scheduled_rows.planned(rows, tables)
     changed = {}
     for i in np.flatnonzero(works.starts % size == 0).tolist():
-        table, index = tables[i], int(works.starts[i]) // size
-        if index == len(table) or decodes.blocks.device.refcounts[table[index]] > 1:
+        if decodes.slot_needs_block(tables[i], int(works.starts[i])):
             work = decodes.single_work(rows.request_ids[i], decode_rows.sequence_at(rows, i))
             if work is None:
                 return None

@@ -77,12 +77,7 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     if state.pending_rows is not rows:
         return None
     seq_ids = rows.seq_ids.tolist()
-    planned, record_works = scheduled_rows.rows_of(works)
-    if planned is not None:  # the rows' works as columns: one step each
-        row_steps = [1] * len(seq_ids)
-    else:
-        row_works, record_works = _split_works(seq_ids, works) if groups else (works, ())
-        row_steps = [work.num_steps for work in row_works]
+    planned, row_steps, record_works = _row_and_record_works(seq_ids, works, bool(groups))
     new, ended, others = _rows_tokens(rows.seq_ids, row_steps, actions)
     if new is None or (others and not groups):
         return None
@@ -137,6 +132,16 @@ def _may_fill(blocks: BlockManagerState, works, size: int) -> bool:
             if entry is not None and len(entry.cache_entry_ids) < work.start // size:
                 return True
     return False
+
+
+def _row_and_record_works(seq_ids: list[int], works, has_records: bool):
+    """A plan's works as (the rows' works as columns, or None; the steps of each row's work;
+    the record groups' works), the rows being those of `seq_ids` (in that order)."""
+    planned, record_works = scheduled_rows.rows_of(works)
+    if planned is not None:  # the rows' works as columns: one step each
+        return planned, [1] * len(seq_ids), record_works
+    row_works, record_works = _split_works(seq_ids, works) if has_records else (works, ())
+    return None, [work.num_steps for work in row_works], record_works
 
 
 def _split_works(seq_ids: list[int], works) -> tuple[list, list]:
