@@ -178,9 +178,9 @@ def computed(lookahead: Lookahead, plan: SchedulerOutput) -> bool:
 
 def _rows_computed(ran: ScheduledRows, planned: ScheduledRows, on: int) -> bool:
     """`computed` for the rows' decodes, from their columns: the same rows, ``on`` positions
-    on, through the same blocks (the planned tables may hold more)."""
+    on, as many steps each, through the same blocks (the planned tables may hold more)."""
     if not (ran.rows.request_ids == planned.rows.request_ids and np.array_equal(ran.rows.seq_ids, planned.rows.seq_ids)
-            and np.array_equal(planned.starts, ran.starts + on)):
+            and np.array_equal(planned.starts, ran.starts + on) and planned.same_steps(ran)):
         return False
     return planned.tables == ran.tables or all(
         table[: len(before)] == before for table, before in zip(planned.tables, ran.tables) if table is not before)

@@ -357,7 +357,7 @@ class LLMEngine:
         """Wait for ``in_flight``'s tokens and record them; the scheduler's actions that follow."""
         rows = in_flight.rows
         if isinstance(in_flight, multi_step.InFlightSteps):
-            return self._output_processor.record_steps(rows, *multi_step.fetch(in_flight), touched)
+            return self._output_processor.record_steps(rows, *multi_step.fetch(in_flight), self.requests, touched)
         sampled = sampling_rows.fetch(in_flight.sampled, len(rows))
         return self._output_processor.record(rows, sampled, self.requests, self.state.next_seq_id, touched)
 

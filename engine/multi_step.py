@@ -21,6 +21,11 @@ scheduler's ``_only_decodes``), so a request that arrives waits for the loops on
 one running, and with async scheduling the one dispatched after it (``LLMEngine._plan`` defers
 an admission rather than drop a lookahead; no lookahead is dispatched while a request waits).
 
+The rows' decodes (``engine.core.decode_rows``) go through all of it as columns: the plan's
+``ScheduledRows`` with their steps, the inputs made from them, the loop after planned from
+them (:func:`next_works`), and a loop of plain rows recorded at once (``engine.plain_rows``,
+one ``AppendEach`` of every row's kept tokens).
+
 With async scheduling (``engine.async_scheduling``), the loop after this one is dispatched
 before this one's tokens reach the host (:func:`next_works`, :func:`dispatch_next`), its
 input tokens this loop's last ones on the device, so that the host records a loop while the
@@ -31,12 +36,15 @@ single steps. It needs sampling that does not depend on this loop's tokens (no p
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from engine import async_scheduling
+from engine.core import scheduled_rows
 from engine.core.records import record
+from engine.core.scheduled_rows import PlannedWorks, ScheduledRows
 from engine.core.scheduler import ScheduledGroupWork, SchedulerState
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
@@ -50,14 +58,16 @@ from engine.worker.sampling_rows import Row
 class InFlightSteps:
     """A multi-step decode dispatched: its rows (row i is work i), the tokens on the device
     (int32 [padded rows, k], -1 past a row's steps), the sampler's outputs stacked per step,
-    the parameters it sampled with, and the last step's tokens on the device (int32 [padded
-    rows]: the next loop's inputs)."""
+    the parameters it sampled with, the last step's tokens on the device (int32 [padded
+    rows]: the next loop's inputs), and whether the rows take their logits' arg-max alone
+    (``sampling_rows.argmax_suffices``: the same for the loops after, whose sampling is static)."""
 
     rows: tuple[Row, ...]
     tokens: object
     sampled: SamplerOutput
     batch: SamplingBatch
     last: object
+    argmax_only: bool
 
 
 def allowed(request_ids: Sequence[str], requests: dict[str, RequestState]) -> bool:
@@ -79,17 +89,30 @@ def dispatch(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork]
     """Dispatch the multi-step decode of ``works`` (decodes of one sequence each, as the
     scheduler plans them), ``num_steps`` wide (the loop's compiled width: the engine's
     ``num_scheduler_steps``, whatever the works' own). Returns it and the new caches."""
-    rows = tuple(Row(i, requests[work.request_id], work.seq_ids[0]) for i, work in enumerate(works))
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is not None and not others:
+        rows = tuple(map(Row, range(len(planned)), map(requests.__getitem__, planned.rows.request_ids),
+                         planned.rows.seq_ids.tolist()))
+    else:
+        rows = tuple(Row(i, requests[work.request_id], work.seq_ids[0]) for i, work in enumerate(works))
     argmax_only = sampling_rows.argmax_suffices(list(rows))
-    inputs = runner.prepare(works, list(range(len(works))), argmax_only=argmax_only)
+    inputs = runner.prepare(works, range(len(works)), argmax_only=argmax_only)
     batch = sampling_rows.batch_of(list(rows), vocab_size, pad_to=len(inputs.input_ids))
-    return _run(runner, kv_caches, works, rows, inputs, batch, num_steps)
+    return _run(runner, kv_caches, works, rows, inputs, batch, num_steps, argmax_only)
 
 
-def _run(runner: ModelRunner, kv_caches, works, rows, inputs, batch: SamplingBatch, num_steps: int):
-    tokens, sampled, kv_caches, last = runner.run_steps(inputs, kv_caches, batch, [w.num_steps for w in works],
-                                                        num_steps)
-    return InFlightSteps(rows, tokens, sampled, batch, last), kv_caches
+def _run(runner: ModelRunner, kv_caches, works, rows, inputs, batch: SamplingBatch, num_steps: int,
+         argmax_only: bool):
+    tokens, sampled, kv_caches, last = runner.run_steps(inputs, kv_caches, batch, _steps(works), num_steps)
+    return InFlightSteps(rows, tokens, sampled, batch, last, argmax_only), kv_caches
+
+
+def _steps(works: Sequence[ScheduledGroupWork]) -> Sequence[int]:
+    """Each work's steps (the rows' from their column)."""
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is not None and not others:
+        return planned.steps_list()
+    return [work.num_steps for work in works]
 
 
 def dispatch_lookahead(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork],
@@ -115,6 +138,9 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
     if state.waiting or state.swapped:
         return None
     size, max_model_len, following = state.config.block_manager.block_size, state.config.max_model_len, []
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is not None and not others:
+        return _next_rows(planned, requests, num_steps, size, max_model_len)
     for work in works:
         request, seq_id = requests.get(work.request_id), work.seq_ids[0]
         if request is None or work.num_steps != num_steps or not async_scheduling.sampling_is_static(request, seq_id):
@@ -128,16 +154,37 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
     return tuple(following)
 
 
+def _next_rows(planned: ScheduledRows, requests: dict[str, RequestState], num_steps: int, size: int,
+               max_model_len: int) -> PlannedWorks | None:
+    """`next_works` for the rows' decodes, from their columns (a row's generated tokens are
+    its sequence's output count in the scheduler's rows)."""
+    rows = planned.rows
+    try:
+        static_from = np.fromiter(map(_STATIC_FROM, map(requests.__getitem__, rows.request_ids)), np.int64, len(rows))
+    except KeyError:  # a request aborted since
+        return None
+    if planned.steps is None or not np.all(planned.steps == num_steps) or np.any(rows.num_output < static_from):
+        return None
+    following = planned.following(num_steps, np.zeros(len(planned), np.int64))
+    steps = np.minimum(np.minimum(num_steps, rows.max_tokens - rows.num_output - num_steps),
+                       max_model_len - following.starts)
+    if np.any(steps < 1) or np.any(following.starts + steps > planned.table_lengths * size):
+        return None
+    return PlannedWorks(following.with_steps(steps))
+
+
+_STATIC_FROM = operator.attrgetter("static_sampling_from")
+
+
 def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightSteps,
                   num_steps: int) -> tuple[InFlightSteps, list]:
     """Dispatch the loop ``works`` (:func:`next_works`) after ``in_flight``, its input tokens
     ``in_flight``'s last ones on the device, its random streams ``num_steps`` on. Returns it and
     the new caches."""
-    inputs = runner.prepare(works, list(range(len(works))),
-                            argmax_only=sampling_rows.argmax_suffices(list(in_flight.rows)))
+    inputs = runner.prepare(works, range(len(works)), argmax_only=in_flight.argmax_only)
     inputs = inputs.replace(input_ids=in_flight.last)
     batch = in_flight.batch.replace(step=in_flight.batch.step + np.int32(num_steps))
-    return _run(runner, kv_caches, works, in_flight.rows, inputs, batch, num_steps)
+    return _run(runner, kv_caches, works, in_flight.rows, inputs, batch, num_steps, in_flight.argmax_only)
 
 
 def fetch(in_flight: InFlightSteps) -> tuple[np.ndarray, SamplerOutput]:

@@ -75,10 +75,16 @@ class OutputProcessor:
             plain = None
         return plain
 
-    def record_steps(self, rows, tokens, sampled, touched) -> list:
+    def record_steps(self, rows, tokens, sampled, requests: dict[str, RequestState], touched) -> list:
         """Record a multi-step decode's tokens (``tokens`` int32 [rows, k], -1 past a row's
         steps; ``sampled``, the sampler's outputs [k, rows, ...], on the host) in order, each
-        sequence up to its stop; the scheduler's actions that follow (the tokens kept)."""
+        sequence up to its stop; the scheduler's actions that follow (the tokens kept). Plain
+        rows are recorded at once, as by :meth:`record`."""
+        plain = self._plain_rows(rows, requests)
+        if plain is not None:
+            actions, kept = plain_rows.record_steps(plain, tokens, touched)
+            self.counters.generation_tokens += kept
+            return actions
         actions = []
         steps = (tokens >= 0).sum(axis=1).tolist()
         all_logprobs = sampled.logprobs.T.tolist()

@@ -1,4 +1,5 @@
-"""A decode step's tokens recorded at once, for rows whose stops need no text.
+"""A decode step's tokens (or a multi-step decode's) recorded at once, for rows whose stops
+need no text.
 
 Most steps sample one token for each of the same sequences as the step before (the
 lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes text,
@@ -8,7 +9,8 @@ included). :class:`PlainRows` holds what those rules read, made once for a tuple
 kept while they are the same; :func:`record` then appends every token, asks NumPy which rows
 may stop, and gives only those the whole :meth:`RequestState.record`. The scheduler gets one
 ``AppendEach`` for all the rows (and a ``Finish`` for each that stopped) instead of an
-``Append`` each.
+``Append`` each. :func:`record_steps` does the same with a multi-step decode's tokens
+(``engine.multi_step``), up to k per row.
 """
 
 from __future__ import annotations
@@ -80,12 +82,7 @@ def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState
     """Record ``tokens`` (int [M], on the host), row i's for row i's sequence; the scheduler's
     actions that follow. ``touched`` gets the requests with an output due: the streamed ones,
     and those with a row that may have stopped."""
-    if plain.first_token_pending:
-        now = time.monotonic()
-        for request in plain.first_token_pending:
-            if request.first_token_time is None:
-                request.first_token_time = now
-        plain.first_token_pending.clear()
+    _note_first_tokens(plain)
     lists = plain.token_lists
     before = np.fromiter(map(len, lists), np.int64, len(lists))
     may_stop = before + 1 >= plain.max_tokens
@@ -105,6 +102,42 @@ def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState
     for request in plain.streamed:
         touched[request.request_id] = request
     return actions
+
+
+def record_steps(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState]) -> tuple[list, int]:
+    """Record a multi-step decode's ``tokens`` (int [M, k], on the host, -1 past a row's
+    steps), row i's in order for row i's sequence, each up to its stop; the scheduler's actions
+    that follow, and how many tokens were kept. ``touched`` as :func:`record`'s."""
+    _note_first_tokens(plain)
+    lists, tokens = plain.token_lists, np.asarray(tokens, np.int64)
+    counts = (tokens >= 0).sum(axis=1)
+    before = np.fromiter(map(len, lists), np.int64, len(lists))
+    may_stop = before + counts >= plain.max_tokens
+    if plain.stop_tokens.size:
+        may_stop |= np.isin(tokens, plain.stop_tokens).any(axis=1)
+    finishes, width = [], tokens.shape[1]
+    for i, (held, row, count, stop) in enumerate(zip(lists, tokens.tolist(), counts.tolist(), may_stop.tolist())):
+        if stop:
+            request, seq_id = plain.requests[i], plain.rows[i].seq_id
+            touched[request.request_id] = request
+            counts[i] = request.record_tokens(seq_id, row[:count], [0.0] * count, None)
+            if request.seqs[seq_id].finish_reason is not None:
+                finishes.append(finish(request, seq_id))
+        else:
+            held.extend(row if count == width else row[:count])
+    for request in plain.streamed:
+        touched[request.request_id] = request
+    return [AppendEach(plain.seq_ids, tokens, counts), *finishes], int(counts.sum())
+
+
+def _note_first_tokens(plain: PlainRows) -> None:
+    """Give the requests still without a first token time this one."""
+    if plain.first_token_pending:
+        now = time.monotonic()
+        for request in plain.first_token_pending:
+            if request.first_token_time is None:
+                request.first_token_time = now
+        plain.first_token_pending.clear()
 
 
 def _record_one(request: RequestState, seq_id: int, token: int, touched: dict[str, RequestState]) -> list:

@@ -174,6 +174,19 @@ def _appended_one_each(rows: DecodeRows, tokens: np.ndarray, tables) -> DecodeRo
     return _moved_on(rows, 1, tokens, lists, tables)
 
 
+def appended_many(rows: DecodeRows, tokens: np.ndarray, counts: np.ndarray,
+                  tables: tuple[tuple[int, ...], ...] | None = None) -> DecodeRows:
+    """`appended` of a multi-step decode's tokens: row i's sequence gained ``tokens[i, :counts[i]]``
+    (tokens int64 [M, k]; counts int64 [M], each at least 1)."""
+    lists, token_lists, count_list = rows.new_tokens, tokens.tolist(), counts.tolist()
+    if any(map(int.__ne__, map(len, lists), rows.num_new.tolist())):  # see `appended`
+        return appended(rows, [tuple(row[:count]) for row, count in zip(token_lists, count_list)], tables)
+    width = tokens.shape[1]
+    for held, row, count in zip(lists, token_lists, count_list):
+        held.extend(row if count == width else row[:count])
+    return _moved_on(rows, counts, tokens[np.arange(len(counts)), counts - 1], lists, tables)
+
+
 def _moved_on(rows: DecodeRows, counts, lasts, lists: tuple[list[int], ...], tables) -> DecodeRows:
     """The rows after row i gained `counts[i]` tokens (ending in `lasts[i]`), held in `lists`,
     with block tables `tables`."""

@@ -23,13 +23,15 @@ from engine.core.scheduler_state import ScheduledGroupWork
 
 @record(eq=False)
 class ScheduledRows:
-    """The decodes of `rows`, one single-step work each, in the rows' order: row i computes
-    its last token (`rows.last_tokens[i]`) at position `starts[i]` (``rows.lengths[i] - 1``)
-    through `tables[i]`, its sequence's whole block table (blocks reserved ahead included)."""
+    """The decodes of `rows`, one work each, in the rows' order: row i computes its last token
+    (`rows.last_tokens[i]`) at position `starts[i]` (``rows.lengths[i] - 1``) through
+    `tables[i]`, its sequence's whole block table (blocks reserved ahead included), in
+    `steps[i]` decode steps (a multi-step decode: `engine.multi_step`; None: one each)."""
 
     rows: DecodeRows
     tables: tuple[tuple[int, ...], ...]
     starts: np.ndarray  # int64 [M]
+    steps: np.ndarray | None = None  # int64 [M]
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -43,13 +45,22 @@ class ScheduledRows:
         """Whether each row's table holds the slot of the token after this step's: bool [M]."""
         return self.starts + 1 < self.table_lengths * block_size
 
+    @property
+    def num_steps(self) -> int:
+        """The most steps any row's work runs."""
+        return 1 if self.steps is None or not len(self.steps) else int(self.steps.max())
+
+    def steps_list(self) -> list[int]:
+        """Each row's steps."""
+        return [1] * len(self) if self.steps is None else self.steps.tolist()
+
     def works(self) -> tuple[ScheduledGroupWork, ...]:
         """The works as records."""
         rows = self.rows
-        return tuple(ScheduledGroupWork(request_id, (seq_id,), (token,), start, table, False, True)
-                     for request_id, seq_id, token, start, table in zip(
+        return tuple(ScheduledGroupWork(request_id, (seq_id,), (token,), start, table, False, True, steps)
+                     for request_id, seq_id, token, start, table, steps in zip(
                          rows.request_ids, rows.seq_ids.tolist(), rows.last_tokens.tolist(), self.starts.tolist(),
-                         self.tables))
+                         self.tables, self.steps_list()))
 
     def with_tables(self, changed: dict[int, tuple[int, ...]]) -> ScheduledRows:
         """These works with row i's table `changed[i]` where given."""
@@ -58,7 +69,22 @@ class ScheduledRows:
         tables = list(self.tables)
         for i, table in changed.items():
             tables[i] = table
-        return ScheduledRows(self.rows, tuple(tables), self.starts)
+        return ScheduledRows(self.rows, tuple(tables), self.starts, self.steps)
+
+    def with_steps(self, steps: np.ndarray) -> ScheduledRows:
+        """These works as multi-step decodes of `steps[i]` steps each (int64 [M])."""
+        return ScheduledRows(self.rows, self.tables, self.starts, steps)
+
+    def following(self, num_steps: int, steps: np.ndarray) -> ScheduledRows:
+        """The works of the multi-step decode after these (each of `num_steps` steps): each row
+        `num_steps` positions on, through the same tables, for `steps[i]` steps (int64 [M])."""
+        return ScheduledRows(self.rows, self.tables, self.starts + num_steps, steps)
+
+    def same_steps(self, other: ScheduledRows) -> bool:
+        """Whether these works run as many steps per row as `other`'s."""
+        if self.steps is None or other.steps is None:
+            return self.num_steps == other.num_steps == 1
+        return np.array_equal(self.steps, other.steps)
 
 
 def planned(rows: DecodeRows, tables: Sequence[tuple[int, ...]]) -> ScheduledRows:
@@ -122,3 +148,9 @@ def rows_of(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledRows | None, 
     if isinstance(works, PlannedWorks):
         return works.rows, works.others
     return None, works
+
+
+def num_tokens(works: Sequence[ScheduledGroupWork]) -> int:
+    """The tokens `works` compute in their first step (the rows' one each, from the columns)."""
+    rows, others = rows_of(works)
+    return (0 if rows is None else len(rows)) + sum(len(work.token_ids) for work in others)

@@ -14,8 +14,8 @@ then run the model. A step never both swaps out and swaps in, so host blocks are
 within a step; copy sources are always blocks still referenced, never ones freed this step.
 
 `update` first marks every scheduled token computed, then applies the actions by kind, whatever
-their order in the tuple: `Append`s (or an `AppendEach`, the Appends of many sequences in
-one action) and `Fork`s (a child copies its parent as it was sampled,
+their order in the tuple: `Append`s (or an `AppendEach`, the Appends, or a multi-step
+decode's AppendManys, of many sequences in one action) and `Fork`s (a child copies its parent as it was sampled,
 without the parent's own Append), then `Finish`es and `Drop`s. Every sequence sampled this step
 needs an `Append`, a `Finish` or a `Drop`. A group may not end an update with more unfinished
 sequences than it started with (forks replace sequences that end), which keeps the
@@ -39,7 +39,8 @@ Multi-step decode: `schedule(state, num_steps=k)` plans, when the step is decode
 prefill, swap, preemption or beam search), `k` decode steps at once: each decode work reserves
 the slots of its next `num_steps` tokens (fewer near `max_tokens` or `max_model_len`), the
 engine samples them all on the device, and `update` gets one `AppendMany` per sequence with the
-tokens it keeps (up to its stop). When a reservation does not fit, the plan is one step. With
+tokens it keeps (up to its stop), or one `AppendEach` of them all. The rows' works stay columns
+(`ScheduledRows.steps` counts each one's steps). When a reservation does not fit, the plan is one step. With
 `reserve_next_block` and nothing waiting, the slots of the loop after it are reserved too when
 they fit, so that the engine can dispatch that loop before this one's tokens are known.
 

@@ -51,36 +51,49 @@ def _rows_opening(works: ScheduledRows, size: int, max_model_len: int) -> list[i
 
 
 def reserve_steps(
-    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], tokens_left: Mapping[int, int],
+    blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], tokens_left: Callable[[], Mapping[int, int]],
     num_steps: int, config: SchedulerConfig, ahead: bool,
 ) -> tuple[BlockManagerState, Works] | None:
     """The decodes `works` (one sequence each) as multi-step decodes of up to `num_steps`
-    tokens each (within the sequence's `max_tokens`, of which it has `tokens_left[seq_id]`
-    to generate, and `max_model_len`), with the blocks their slots need; None when the pool
-    cannot give them all. `ahead` (`SchedulerConfig.reserve_next_block`, nothing waiting): also
-    the slots of the loop after, when the pool has them all, so that the engine can dispatch
-    that loop before this one's tokens are known."""
-    size, steps, now, later = config.block_manager.block_size, {}, {}, {}
-    for work in works:
+    tokens each (within the sequence's `max_tokens` and `max_model_len`), with the blocks
+    their slots need; None when the pool cannot give them all. `tokens_left()` gives, per
+    sequence of the works not held as the rows' columns, the tokens it may still generate.
+    `ahead` (`SchedulerConfig.reserve_next_block`, nothing waiting): also the slots of the
+    loop after, when the pool has them all, so that the engine can dispatch that loop before
+    this one's tokens are known."""
+    row_works, others = scheduled_rows.rows_of(works)
+    size, max_model_len = config.block_manager.block_size, config.max_model_len
+    left = {} if not others else tokens_left()
+    steps, now, later, row_steps = {}, {}, {}, None
+    if row_works is not None:
+        rows, starts, lengths = row_works.rows, row_works.starts, row_works.table_lengths
+        tokens = np.minimum(rows.max_tokens - rows.num_output, max_model_len - starts)
+        row_steps = np.minimum(num_steps, tokens)
+        for counts, ends in ((now, starts + row_steps), (later, starts + np.minimum(2 * num_steps, tokens))):
+            needed = -(-ends // size) - lengths
+            opening = np.flatnonzero(needed > 0)
+            counts.update(zip(rows.seq_ids[opening].tolist(), needed[opening].tolist()))
+    for work in others:
         (seq_id,) = work.seq_ids
-        left = min(tokens_left[seq_id], config.max_model_len - work.start)
-        steps[seq_id] = min(num_steps, left)
+        tokens = min(left[seq_id], max_model_len - work.start)
+        steps[seq_id] = min(num_steps, tokens)
         now[seq_id] = blocks_for(work.start + steps[seq_id], size) - len(work.block_table)
-        later[seq_id] = blocks_for(work.start + min(2 * num_steps, left), size) - len(work.block_table)
+        later[seq_id] = blocks_for(work.start + min(2 * num_steps, tokens), size) - len(work.block_table)
     for counts in ([later, now] if ahead else [now]):
         counts = {seq_id: n for seq_id, n in counts.items() if n > 0}
         fresh = sum(block_manager.num_fresh_blocks(blocks, seq_id, n) for seq_id, n in counts.items())
         if fresh <= block_manager.num_free_device_blocks(blocks):
-            return _with_blocks(blocks, works, counts, steps)
+            return _with_blocks(blocks, works, counts, steps, row_steps)
     return None
 
 
 def _with_blocks(
     blocks: BlockManagerState, works: Sequence[ScheduledGroupWork], counts: dict[int, int],
-    num_steps: dict[int, int] | None = None,
+    num_steps: dict[int, int] | None = None, row_steps: np.ndarray | None = None,
 ) -> tuple[BlockManagerState, Works]:
     """`counts[seq_id]` blocks appended to the listed decodes' tables (their works naming
-    them), and the works of `num_steps` as multi-step decodes of that many steps."""
+    them), and the works of `num_steps` (the rows' works: `row_steps`) as multi-step decodes
+    of that many steps."""
     if counts:
         blocks = block_manager.append_blocks(blocks, counts)
     row_works, others = scheduled_rows.rows_of(works)
@@ -93,7 +106,7 @@ def _with_blocks(
         changed.append(work)
     if row_works is None:
         return blocks, tuple(changed)
-    assert not num_steps, "a multi-step decode's works are records"
     rows = np.flatnonzero(np.isin(row_works.rows.seq_ids, list(counts))).tolist()
     tables = {i: block_manager.block_table(blocks, int(row_works.rows.seq_ids[i])) for i in rows}
-    return blocks, PlannedWorks(row_works.with_tables(tables), tuple(changed))
+    row_works = row_works.with_tables(tables)
+    return blocks, PlannedWorks(row_works if row_steps is None else row_works.with_steps(row_steps), tuple(changed))

@@ -320,8 +320,8 @@ def schedule(
     reserved = None
     works = step.work if step.row_works is None else PlannedWorks(step.row_works, step.work)
     if num_steps > 1 and _only_decodes(step):
-        left = tokens_left(step.rows, step.running)
-        reserved = scheduler_ahead.reserve_steps(step.blocks, tuple(works), left, num_steps, config, ahead)
+        left = functools.partial(tokens_left, step.rows, step.running)  # read only for the works as records
+        reserved = scheduler_ahead.reserve_steps(step.blocks, works, left, num_steps, config, ahead)
     if reserved is None and ahead and not step.preempted:
         left_later = functools.partial(tokens_left, step.rows, step.running)  # read only when a block opens
         reserved = scheduler_ahead.reserve_next_blocks(step.blocks, works, left_later, config)

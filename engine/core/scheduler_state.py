@@ -131,22 +131,17 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         """Tokens the model runs this step."""
-        rows, others = _rows_and_others(self.scheduled)
-        return rows + sum(len(work.token_ids) for work in others)
+        from engine.core import scheduled_rows  # it builds on this module's records
+
+        return scheduled_rows.num_tokens(self.scheduled)
 
     @property
     def num_steps(self) -> int:
         """Model steps the plan runs: more than one for a multi-step decode."""
-        return max((work.num_steps for work in _rows_and_others(self.scheduled)[1]), default=1)
+        from engine.core import scheduled_rows  # it builds on this module's records
 
-
-def _rows_and_others(works) -> tuple[int, tuple[ScheduledGroupWork, ...]]:
-    """A plan's works: the number of rows' decodes held as columns (one token, one step each:
-    `engine.core.scheduled_rows`), and the other works."""
-    from engine.core import scheduled_rows  # it builds on this module's records
-
-    rows, others = scheduled_rows.rows_of(works)
-    return (0 if rows is None else len(rows)), others
+        rows, others = scheduled_rows.rows_of(self.scheduled)
+        return max([1 if rows is None else rows.num_steps, *(work.num_steps for work in others)])
 
 
 @record
@@ -159,23 +154,29 @@ class Append:
 
 @record(eq=False)
 class AppendEach:
-    """An `Append` of `token_ids[i]` to sequence `seq_ids[i]` for every i, in order (int64
-    [M] each): a step's tokens for many sequences in one action."""
+    """A step's tokens for many sequences in one action, in order: an `Append` of
+    `token_ids[i]` to sequence `seq_ids[i]` for every i (int64 [M] each); or, after a
+    multi-step decode, an `AppendMany` of `token_ids[i, :counts[i]]` to each (token_ids int64
+    [M, k], counts int64 [M])."""
 
     seq_ids: np.ndarray
     token_ids: np.ndarray
+    counts: np.ndarray | None = None
 
-    def appends(self) -> list[Append]:
-        """The same as one `Append` each."""
-        return list(map(Append, self.seq_ids.tolist(), self.token_ids.tolist()))
+    def appends(self) -> list:
+        """The same as one `Append` (or `AppendMany`) each."""
+        if self.counts is None:
+            return list(map(Append, self.seq_ids.tolist(), self.token_ids.tolist()))
+        return [AppendMany(seq_id, tuple(tokens[:count])) for seq_id, tokens, count in zip(
+            self.seq_ids.tolist(), self.token_ids.tolist(), self.counts.tolist())]
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, AppendEach):
             return NotImplemented
-        return np.array_equal(self.seq_ids, other.seq_ids) and np.array_equal(self.token_ids, other.token_ids)
+        return self.appends() == other.appends()
 
     def __hash__(self) -> int:
-        return hash((self.seq_ids.tobytes(), self.token_ids.tobytes()))
+        return hash(tuple(self.appends()))
 
 
 @record

@@ -81,7 +81,7 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     new, ended, others = _rows_tokens(rows.seq_ids, row_steps, actions)
     if new is None or (others and not groups):
         return None
-    before, rows = rows.lengths, decode_rows.appended(rows, new, None if planned is None else planned.tables)
+    before, rows = rows.lengths, _appended(rows, new, None if planned is None else planned.tables)
     size, caching = state.config.block_manager.block_size, state.config.block_manager.enable_prefix_caching
     filled = np.flatnonzero((rows.lengths - 1) // size > (before - 1) // size).tolist()
     blocks = block_manager.mark_computed(state.blocks, [decode_rows.sequence_at(rows, i) for i in filled])
@@ -138,8 +138,8 @@ def _row_and_record_works(seq_ids: list[int], works, has_records: bool):
     """A plan's works as (the rows' works as columns, or None; the steps of each row's work;
     the record groups' works), the rows being those of `seq_ids` (in that order)."""
     planned, record_works = scheduled_rows.rows_of(works)
-    if planned is not None:  # the rows' works as columns: one step each
-        return planned, [1] * len(seq_ids), record_works
+    if planned is not None:  # the rows' works as columns
+        return planned, planned.steps_list(), record_works
     row_works, record_works = _split_works(seq_ids, works) if has_records else (works, ())
     return None, [work.num_steps for work in row_works], record_works
 
@@ -154,15 +154,16 @@ def _split_works(seq_ids: list[int], works) -> tuple[list, list]:
 
 
 def _rows_tokens(row_seq_ids: np.ndarray, row_steps: list[int], actions: list[Action]
-                 ) -> tuple[list[tuple[int, ...]] | np.ndarray | None, dict[int, SequenceStatus], list[Action]]:
+                 ) -> tuple[list[tuple[int, ...]] | AppendEach | None, dict[int, SequenceStatus], list[Action]]:
     """From the actions on the rows of `row_seq_ids` (in that order, the records' anywhere
     between them), with `row_steps` the steps of the rows' works: each row's new tokens, in
-    order (an int64 array of one each, from an `AppendEach` of every row, first), and the rows
-    that stopped (with the Finish's status); and the other actions. None for the tokens when a
-    row gets none, or an action on a row is out of that order."""
+    order (or an `AppendEach` of every row, first, within their steps), and the rows that
+    stopped (with the Finish's status); and the other actions. None for the tokens when a row
+    gets none, or an action on a row is out of that order."""
     seq_ids = row_seq_ids.tolist()
-    if actions and type(actions[0]) is AppendEach and np.array_equal(actions[0].seq_ids, row_seq_ids):
-        return _rows_ends(seq_ids, actions[0].token_ids, actions[1:])
+    if (actions and type(actions[0]) is AppendEach and np.array_equal(actions[0].seq_ids, row_seq_ids)
+            and _fits_steps(actions[0], row_steps)):
+        return _rows_ends(seq_ids, actions[0], actions[1:])
     new, ended, count, others, ids = [], {}, len(seq_ids), [], None
     for action in expanded(actions):
         kind, row = type(action), len(new)
@@ -182,8 +183,25 @@ def _rows_tokens(row_seq_ids: np.ndarray, row_steps: list[int], actions: list[Ac
     return (new if len(new) == count else None), ended, others
 
 
-def _rows_ends(seq_ids: list[int], tokens: np.ndarray, actions: list[Action]
-               ) -> tuple[np.ndarray | None, dict[int, SequenceStatus], list[Action]]:
+def _fits_steps(each: AppendEach, row_steps: list[int]) -> bool:
+    """Whether `each` gives every row one token (works of one step each), or at least one and
+    at most its work's steps."""
+    if each.counts is None:
+        return max(row_steps, default=1) == 1
+    return bool(np.all((each.counts >= 1) & (each.counts <= np.asarray(row_steps))))
+
+
+def _appended(rows, new: list[tuple[int, ...]] | AppendEach, tables):
+    """The rows after each gained its tokens of `new` (`_rows_tokens`'), through `tables`."""
+    if type(new) is not AppendEach:
+        return decode_rows.appended(rows, new, tables)
+    if new.counts is None:
+        return decode_rows.appended(rows, new.token_ids, tables)
+    return decode_rows.appended_many(rows, new.token_ids, new.counts, tables)
+
+
+def _rows_ends(seq_ids: list[int], tokens: AppendEach, actions: list[Action]
+               ) -> tuple[AppendEach | None, dict[int, SequenceStatus], list[Action]]:
     """`_rows_tokens` after an `AppendEach` of every row (`tokens`): the Finishes of rows,
     in their order, and the other actions (None for the tokens if one is on a row)."""
     ended, others, row_of = {}, [], None

@@ -129,6 +129,16 @@ def _fill_tables(block_tables: np.ndarray, tables: Sequence[tuple[int, ...]]) ->
     block_tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)] = flat
 
 
+def _decode_columns(works: Sequence[ScheduledGroupWork]) -> tuple[Sequence[tuple[int, ...]], Sequence, Sequence]:
+    """The block tables, tokens and positions of decodes (one token each), from the rows'
+    columns when the works are those alone (``engine.core.scheduled_rows``)."""
+    planned, others = scheduled_rows.rows_of(works)
+    if planned is not None and not others:
+        return planned.tables, planned.rows.last_tokens, planned.starts
+    return ([work.block_table for work in works], [work.token_ids[0] for work in works],
+            [work.start for work in works])
+
+
 def _slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The KV-cache slot of each position (int [T]) of sequence ``rows[i]``, through its row of
     ``block_tables`` (int32 [rows, max_blocks])."""
@@ -185,7 +195,7 @@ class ModelRunner:
         """Padded arrays for ``works``; ``logits_tokens`` are indices (into the concatenated
         tokens of ``works``) whose logits are wanted; ``argmax_only``: of those, only each one's
         arg-max (``Metadata.argmax_rows``)."""
-        num_tokens = sum(len(work.token_ids) for work in works)
+        num_tokens = scheduled_rows.num_tokens(works)
         decode_only = num_tokens == len(works)
         if decode_only:
             num_rows = num_padded = bucket(self.decode_buckets, len(works))
@@ -197,14 +207,14 @@ class ModelRunner:
         block_tables = np.zeros((num_rows, self.max_blocks), np.int32)
         context_lens = np.zeros(num_rows, np.int32)
         query_start_loc = np.zeros(num_rows + 1, np.int32)
-        _fill_tables(block_tables, [work.block_table for work in works])
         if decode_only:  # a token per work: whole columns at once
             n = len(works)
-            input_ids[:n] = [work.token_ids[0] for work in works]
-            positions[:n] = [work.start for work in works]
+            tables, input_ids[:n], positions[:n] = _decode_columns(works)
+            _fill_tables(block_tables, tables)
             context_lens[:n] = positions[:n] + 1
             query_start_loc[1:] = np.minimum(np.arange(1, num_rows + 1), n)
         else:
+            _fill_tables(block_tables, [work.block_table for work in works])
             cursor = 0
             for row, work in enumerate(works):
                 n = len(work.token_ids)

@@ -1,6 +1,8 @@
 """A step's decodes as columns: the rows' works (``engine.core.scheduled_rows``) answer the
 lookahead's questions as their records do, and plain rows (``engine.plain_rows``) record
-what the per-row path records, step by step."""
+what the per-row path records, step by step; with multi-step decode (``engine.multi_step``)
+too, where a loop's tokens are recorded at once and the loop after it is planned from the
+columns."""
 
 from __future__ import annotations
 
@@ -8,16 +10,30 @@ import dataclasses
 
 import pytest
 
-from engine import SamplingParams, async_scheduling, plain_rows
+from engine import LLM, SamplingParams, async_scheduling, multi_step, plain_rows
 from engine.core.scheduled_rows import PlannedWorks
 from engine.sampling_params import RequestOutputKind
-from tests.engine.tiny import prompts, tiny_llm
+from tests.engine.tiny import ENGINE, prompts, tiny_llm
+
+STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    llm, _ = tiny_llm("llama_gqa_tied", tmp_path_factory.mktemp("tiny"))
-    return llm
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    llm, _ = tiny_llm("llama_gqa_tied", directory)
+    return llm, directory
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return checkpoint[0]
+
+
+@pytest.fixture(scope="module")
+def multi(checkpoint):
+    """An LLM of the same model running multi-step decodes of ``STEPS``."""
+    return LLM(str(checkpoint[1]), **{**ENGINE, "num_scheduler_steps": STEPS})
 
 
 def _params(vocab: int) -> list[SamplingParams]:
@@ -58,6 +74,23 @@ def _workload(vocab: int, tag: str) -> dict:
     return arrivals
 
 
+def _checked_computed(asked: dict):
+    """``async_scheduling.computed``, asserting that its answer on a lookahead or plan held as
+    the rows' columns is its answer on the same works as records (counted in ``asked``)."""
+    computed = async_scheduling.computed
+
+    def checked(lookahead, plan):
+        answer = computed(lookahead, plan)
+        if isinstance(lookahead.works, PlannedWorks) or isinstance(plan.scheduled, PlannedWorks):
+            asked["computed"] += 1
+            as_records = (dataclasses.replace(lookahead, works=tuple(lookahead.works)),
+                          dataclasses.replace(plan, scheduled=tuple(plan.scheduled)))
+            assert answer == computed(*as_records)
+        return answer
+
+    return checked
+
+
 def test_plain_rows_record_what_the_per_row_path_records(llm, monkeypatch):
     vocab = llm.engine.model_config.vocab_size
     recorded = []
@@ -74,7 +107,7 @@ def test_the_rows_columns_answer_as_their_records(llm, monkeypatch):
     the rows' columns as from the same works as records."""
     vocab = llm.engine.model_config.vocab_size
     asked = {"eligible": 0, "computed": 0}
-    eligible, computed = async_scheduling.eligible, async_scheduling.computed
+    eligible = async_scheduling.eligible
 
     def checked_eligible(works, requests, state, block_size):
         answer = eligible(works, requests, state, block_size)
@@ -83,18 +116,61 @@ def test_the_rows_columns_answer_as_their_records(llm, monkeypatch):
             assert answer == eligible(tuple(works), requests, state, block_size)
         return answer
 
-    def checked_computed(lookahead, plan):
-        answer = computed(lookahead, plan)
-        if isinstance(lookahead.works, PlannedWorks) or isinstance(plan.scheduled, PlannedWorks):
-            asked["computed"] += 1
-            as_records = (dataclasses.replace(lookahead, works=tuple(lookahead.works)),
-                          dataclasses.replace(plan, scheduled=tuple(plan.scheduled)))
-            assert answer == computed(*as_records)
-        return answer
-
     monkeypatch.setattr(async_scheduling, "eligible", checked_eligible)
-    monkeypatch.setattr(async_scheduling, "computed", checked_computed)
+    monkeypatch.setattr(async_scheduling, "computed", _checked_computed(asked))
     before = llm.engine.counters.lookahead_steps
     _run(llm, _workload(vocab, "b"))
     assert asked["eligible"] > 10 and asked["computed"] > 10
     assert llm.engine.counters.lookahead_steps > before + 10
+
+
+def test_plain_rows_record_a_loops_tokens_as_the_per_row_path(llm, multi, monkeypatch):
+    """Step by step, and the final outputs those of one step per dispatch."""
+    vocab = multi.engine.model_config.vocab_size
+    loops = []
+    record_steps = plain_rows.record_steps
+    monkeypatch.setattr(plain_rows, "record_steps", lambda *args: loops.append(1) or record_steps(*args))
+    at_once = _run(multi, _workload(vocab, "c"))
+    assert len(loops) >= 3, "no loop was recorded at once"
+    assert any(finish == "stop" and len(tokens) % STEPS for step in at_once for _, outputs, _ in step
+               for _, tokens, finish, _ in outputs), "no sequence stopped inside a loop"
+    monkeypatch.setattr(plain_rows, "of", lambda *args: None)
+    assert _run(multi, _workload(vocab, "c")) == at_once
+    params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in _params(vocab)]
+    batch = prompts(len(params), vocab, seed=9)
+    final = [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+             for o in multi.generate(batch, params, use_tqdm=False)]
+    assert final == [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+                     for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def test_the_loop_after_is_planned_from_the_columns_as_from_records(multi, monkeypatch):
+    """``multi_step.next_works`` on the rows' columns: the same loop (rows, positions, steps,
+    tables) or the same refusal as on the works as records; and ``computed`` answers alike."""
+    vocab = multi.engine.model_config.vocab_size
+    asked = {"next": 0, "computed": 0}
+    next_works = multi_step.next_works
+
+    def fields(works):
+        return None if works is None else [(w.request_id, w.seq_ids, w.start, w.block_table, w.num_steps)
+                                           for w in works]
+
+    def checked_next(works, requests, state, num_steps):
+        answer = next_works(works, requests, state, num_steps)
+        if isinstance(works, PlannedWorks):
+            asked["next"] += 1
+            assert fields(answer) == fields(next_works(tuple(works), requests, state, num_steps))
+        return answer
+
+    monkeypatch.setattr(multi_step, "next_works", checked_next)
+    monkeypatch.setattr(async_scheduling, "computed", _checked_computed(asked))
+    before = multi.engine.counters.lookahead_steps
+    stops = list(range(3, vocab, 41))
+    static = [SamplingParams(temperature=0.8 * (i % 3 > 0), top_p=0.9, seed=i, max_tokens=30 + 7 * i,
+                             stop_token_ids=stops if i % 2 else []) for i in range(8)]
+    workload = {}
+    for i, (prompt, params) in enumerate(zip(prompts(len(static), vocab, 3), static)):
+        workload.setdefault(5 * (i % 3), []).append((f"d{i}", prompt, params))
+    _run(multi, workload)
+    assert asked["next"] > 10 and asked["computed"] > 10
+    assert multi.engine.counters.lookahead_steps > before + 5

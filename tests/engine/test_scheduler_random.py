@@ -141,14 +141,21 @@ def draw_actions(data, state: scheduler.SchedulerState, logits: dict) -> list:
 
 
 def bundle_appends(actions: list) -> list:
-    """`actions` with every Append in one AppendEach, first (the others after it, in order);
-    `actions` itself when there is no Append."""
+    """`actions` with every Append (or, when there is no Append, every AppendMany) in one
+    AppendEach, first (the others after it, in order); `actions` itself when there is none."""
     appends = [action for action in actions if type(action) is scheduler.Append]
-    if not appends:
+    if appends:
+        each = scheduler.AppendEach(np.array([a.seq_id for a in appends], np.int64),
+                                    np.array([a.token_id for a in appends], np.int64))
+        return [each] + [action for action in actions if type(action) is not scheduler.Append]
+    many = [action for action in actions if type(action) is scheduler.AppendMany]
+    if not many:
         return actions
-    each = scheduler.AppendEach(np.array([a.seq_id for a in appends], np.int64),
-                                np.array([a.token_id for a in appends], np.int64))
-    return [each] + [action for action in actions if type(action) is not scheduler.Append]
+    width = max(len(a.token_ids) for a in many)
+    tokens = np.array([a.token_ids + (-1,) * (width - len(a.token_ids)) for a in many], np.int64)
+    each = scheduler.AppendEach(np.array([a.seq_id for a in many], np.int64), tokens,
+                                np.array([len(a.token_ids) for a in many], np.int64))
+    return [each] + [action for action in actions if type(action) is not scheduler.AppendMany]
 
 
 def check_blocks(state: scheduler.SchedulerState) -> None:
@@ -289,7 +296,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 from_bundled = scheduler.update(state, bundled).without_rows()
                 assert from_bundled == scheduler.update(state, actions).without_rows()
                 if scheduler_update._update_rows(state, bundled) is not None:
-                    event("decode rows from one AppendEach")
+                    event("decode rows from one AppendEach" + (" of several tokens" if bundled[0].counts is not None
+                                                               else ""))
                 actions = bundled
         updated = scheduler.update(state, actions)
         # The shortcuts (the rows' columns, one token each: most engine steps) and the general
