@@ -291,15 +291,22 @@ def fork(state: BlockManagerState, parent_seq_id: int, child_seq_id: int) -> Blo
 
 def free(state: BlockManagerState, seq_id: int) -> BlockManagerState:
     """Release every block `seq_id` holds (no-op for a sequence without blocks)."""
-    entry = state.seqs.get(seq_id)
-    if entry is None:
+    return free_each(state, (seq_id,))
+
+
+def free_each(state: BlockManagerState, seq_ids: Iterable[int]) -> BlockManagerState:
+    """`free` of each of `seq_ids` in turn, the pools and maps updated once."""
+    device, host, freed = [], [], []
+    for seq_id in seq_ids:
+        entry = state.seqs.get(seq_id)
+        if entry is not None:
+            (device if entry.on_device else host).extend(entry.reserved + entry.block_table[::-1])
+            freed.append(seq_id)
+    if not freed:
         return state
-    blocks = entry.reserved + entry.block_table[::-1]
-    if entry.on_device:
-        state = release_device(state, blocks)
-    else:
-        state = release_host(state, blocks)
-    return dataclasses.replace(state, seqs=dissoc(state.seqs, [seq_id]))
+    state = release_device(state, device) if device else state
+    state = release_host(state, host) if host else state
+    return dataclasses.replace(state, seqs=dissoc(state.seqs, freed))
 
 
 def num_shared_tokens(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:

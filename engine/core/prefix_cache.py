@@ -161,23 +161,25 @@ def insert_chains(
     names the same tokens, so the chain stays sound.
     """
     by_key, by_block, next_id = cache.by_key, cache.by_block, cache.next_entry_id
-    chain_ids = []
+    new_by_key, new_by_block, chain_ids = {}, {}, []  # this call's entries, set in the maps at once
     for parent, blocks in chains:
         ids = []
         for token_ids, block in blocks:
             key = (parent, token_ids)
-            if key in by_key:
-                parent = by_key[key].entry_id
-            elif block in by_block:
-                assert by_block[block].key[1] == token_ids, f"block {block} is cached with other tokens"
-                parent = by_block[block].entry_id
-            else:
-                entry = CachedBlock(entry_id=next_id, block=block, key=key)
-                by_key, by_block = by_key.insert(key, entry), by_block.insert(block, entry)
-                parent, next_id = next_id, next_id + 1
+            held = new_by_key.get(key) or by_key.get(key)
+            if held is None:
+                held = new_by_block.get(block) or by_block.get(block)
+                assert held is None or held.key[1] == token_ids, f"block {block} is cached with other tokens"
+            if held is None:
+                held = new_by_key[key] = new_by_block[block] = CachedBlock(entry_id=next_id, block=block, key=key)
+                next_id += 1
+            parent = held.entry_id
             ids.append(parent)
         chain_ids.append(ids)
-    cache = dataclasses.replace(cache, by_key=by_key, by_block=by_block, next_entry_id=next_id)
+    if not new_by_key:
+        return cache, chain_ids
+    cache = dataclasses.replace(cache, by_key=by_key.update(new_by_key), by_block=by_block.update(new_by_block),
+                                next_entry_id=next_id)
     return cache, chain_ids
 
 

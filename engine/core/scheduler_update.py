@@ -88,16 +88,12 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
     at_length = (rows.num_output >= rows.max_tokens) | (rows.lengths > state.config.max_model_len)
 
     def end_stopped(blocks: BlockManagerState) -> BlockManagerState:
-        for row in ended:
-            blocks = block_manager.free(blocks, seq_ids[row])
-        return blocks
+        return block_manager.free_each(blocks, [seq_ids[row] for row in ended])
 
     def end_at_length(blocks: BlockManagerState) -> BlockManagerState:
-        for row in np.flatnonzero(at_length).tolist():
-            if row not in ended:
-                ended[row] = SequenceStatus.FINISHED_LENGTH
-                blocks = block_manager.free(blocks, seq_ids[row])
-        return blocks
+        rows = [row for row in np.flatnonzero(at_length).tolist() if row not in ended]
+        ended.update(dict.fromkeys(rows, SequenceStatus.FINISHED_LENGTH))
+        return block_manager.free_each(blocks, [seq_ids[row] for row in rows])
 
     if not groups:
         after = dataclasses.replace(state, blocks=end_at_length(end_stopped(blocks)), pending=None)
