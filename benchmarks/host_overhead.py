@@ -20,7 +20,9 @@ server does once its cache has filled), then each round times every step with
 the step after the last prefill to the one in which the first requests generate their last
 token): the median and 90th percentile over those steps of every round, per step and per step
 per 1000 sequences. The table also gives the model alone: ``ModelRunner.run`` on a decode of N
-rows (one arg-max per row), dispatch to result; the rest of a step is the host's.
+rows (one arg-max per row), dispatch to result; and the host's own work, as the main thread's
+CPU time in a step (``time.thread_time``; XLA runs the model on threads of its own, which on
+this CPU share the cores with it, so a step costs more than either).
 
 Each N runs once per ``--num-scheduler-steps`` value (default 1 and 8): with k > 1 an engine
 step that only decodes is a multi-step decode of up to k tokens per sequence
@@ -95,12 +97,14 @@ def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Pass:
     """One pass over the workload: seconds of each step in which every sequence decoded, the
-    tokens each sequence generated in those steps (1 each without multi-step scheduling), and
-    every step's seconds."""
+    tokens each sequence generated in those steps (1 each without multi-step scheduling),
+    every step's seconds, and the main thread's CPU seconds in each decode step (the host's
+    work: XLA runs the model on threads of its own)."""
 
     decode_seconds: list[float]
     decode_tokens: list[float]
     all_seconds: list[float]
+    decode_cpu: list[float]
 
 
 _ids = itertools.count()
@@ -113,7 +117,7 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"host-{next(_ids)}", prompt, sampling_params(mode, i, output_tokens))
-    decode_seconds, decode_tokens, all_seconds, generated = [], [], [], {}
+    decode_seconds, decode_tokens, all_seconds, decode_cpu, generated = [], [], [], [], {}
     with gc_freeze.older_objects_frozen():  # as the engine's own loops run (LLM.generate, the server)
         while engine.has_unfinished_requests():
             every_one_decodes = all_decode(engine.state, len(prompts))
@@ -121,9 +125,9 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
             if profiling:
                 profiler.enable()
             before = engine.counters.generation_tokens
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             outputs = engine.step()
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
             if profiling:
                 profiler.disable()
             for output in outputs:
@@ -133,10 +137,11 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
             all_seconds.append(seconds)
             if every_one_decodes:
                 decode_seconds.append(seconds)
+                decode_cpu.append(cpu)
                 decode_tokens.append((engine.counters.generation_tokens - before) / len(prompts))
     if len(generated) != len(prompts) or any(n != output_tokens for n in generated.values()):
         raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
-    return Pass(decode_seconds, decode_tokens, all_seconds)
+    return Pass(decode_seconds, decode_tokens, all_seconds, decode_cpu)
 
 
 def all_decode(state, count: int) -> bool:
@@ -163,8 +168,8 @@ def model_alone_ms(llm: LLM, count: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """One (N, mode, num_scheduler_steps): step times over every round (seconds), and the
-    model alone (ms)."""
+    """One (N, mode, num_scheduler_steps): step times over every round (seconds), the model
+    alone (ms), and the host's CPU time in each step (seconds, see ``Pass``)."""
 
     count: int
     mode: str
@@ -173,6 +178,7 @@ class Result:
     steps_per_pass: int
     model_ms: float
     num_scheduler_steps: int = 1
+    decode_cpu: list[float] = ()
 
     @property
     def median_ms(self) -> float:
@@ -187,6 +193,13 @@ class Result:
         """Median ms per token each sequence generates (an engine step of multi-step scheduling
         generates ``num_scheduler_steps``)."""
         return float(np.median(np.array(self.decode_seconds) / np.array(self.decode_tokens))) * 1e3
+
+    @property
+    def host_cpu_ms_per_generated_step(self) -> float:
+        """Median of the main thread's CPU ms in a step per token each sequence generates in it."""
+        if not len(self.decode_cpu):
+            return float("nan")
+        return float(np.median(np.array(self.decode_cpu) / np.array(self.decode_tokens))) * 1e3
 
 
 def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int,
@@ -207,9 +220,11 @@ def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int
     for mode, runs in passes.items():
         seconds = [s for run in runs for s in run.decode_seconds]
         tokens = [t for run in runs for t in run.decode_tokens]
+        cpu = [c for run in runs for c in run.decode_cpu]
         if not seconds:
             raise RuntimeError(f"N={count} {mode}: no step in which every sequence decoded")
-        results.append(Result(count, mode, seconds, tokens, len(runs[0].all_seconds), model_ms, num_scheduler_steps))
+        results.append(Result(count, mode, seconds, tokens, len(runs[0].all_seconds), model_ms, num_scheduler_steps,
+                              cpu))
         print(f"N={count} {mode} k={num_scheduler_steps}: {results[-1].median_ms:.2f} ms per decode step (p90 "
               f"{results[-1].p90_ms:.2f}; {results[-1].ms_per_generated_step:.2f} per generated step) over "
               f"{len(seconds)} steps; model alone {model_ms:.2f} ms", flush=True)
@@ -258,7 +273,8 @@ def table_rows(results: list[Result]) -> list[list]:
             ratio_cell = f"{value:.2f} (target <= {limit})" if value is not None else f"n/a (no N={low})"
         rows.append([r.mode, r.num_scheduler_steps, r.count, len(r.decode_seconds), f"{r.median_ms:.2f}",
                      f"{r.p90_ms:.2f}", f"{r.median_ms / r.count * 1000:.2f}", f"{r.ms_per_generated_step:.2f}",
-                     f"{target}" if target else "", ratio_cell, f"{r.model_ms:.2f}"])
+                     f"{target}" if target else "", ratio_cell, f"{r.host_cpu_ms_per_generated_step:.2f}",
+                     f"{r.model_ms:.2f}"])
     return rows
 
 
@@ -266,7 +282,7 @@ def headers() -> list[str]:
     return ["mode", "k (steps per dispatch)", "N", "decode steps timed", "median ms/step", "p90 ms/step",
             "ms/step per 1000 seqs", "median ms per generated step",
             "target (ms/step at k=1, ms per generated step at k>1)", f"N={TARGET_RATIO[0]} / N={TARGET_RATIO[1]}",
-            "model alone ms"]
+            "host CPU ms per generated step", "model alone ms"]
 
 
 def machine() -> str:
@@ -380,7 +396,9 @@ def main(argv: list[str] | None = None) -> str:
             f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded. `LLMEngine.step()` timed after "
             f"a compiling pass (whose blocks stay in the prefix cache: the timed passes evict to allocate); only "
             f"steps in which all N sequences decode, {rounds} passes per row pooled. Model alone: "
-            f"`ModelRunner.run` on a greedy decode of N rows (median), one step. Targets (issue 40): <= "
+            f"`ModelRunner.run` on a greedy decode of N rows (median), one step. Host CPU: the main thread's CPU "
+            f"time in a step (`time.thread_time`: the engine's Python and the dispatches; XLA runs the model on "
+            f"threads of its own, on the same cores), median per generated step. Targets (issue 40): <= "
             f"{TARGET_MS[256]} ms per decode step at N=256 with k=1, N={TARGET_RATIO[0]} <= {TARGET_RATIO[2]}x "
             f"N={TARGET_RATIO[1]}, <= {TARGET_MULTI_STEP_MS[256]} ms per generated step at N=256 with k>1. "
             f"Took {time.perf_counter() - start:.0f} s.")

@@ -37,6 +37,7 @@ def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
         assert row[3] == ("5" if row[1] == "1" else "2")
         assert float(row[4]) > 0 and float(row[5]) >= float(row[4]) and float(row[-1]) > 0
         assert float(row[7]) <= float(row[4])
+        assert 0 < float(row[-2]) <= float(row[7]) + 0.01  # the main thread's CPU time fits in the step's
     assert len(rows[0]) == len(host_overhead.headers())
 
 
@@ -49,6 +50,8 @@ def test_a_pass_times_only_the_steps_in_which_every_sequence_decodes(tmp_path):
     # One prefill step (3 x 32 tokens fit one step), then 4 steps in which every sequence
     # decodes, the last of them ending all three: one token per sequence each.
     assert len(run.all_seconds) == 5 and len(run.decode_seconds) == 4 and run.decode_tokens == [1.0] * 4
+    assert len(run.decode_cpu) == 4 and all(0 < cpu <= seconds + 1e-3 for cpu, seconds in zip(run.decode_cpu,
+                                                                                             run.decode_seconds))
 
 
 def test_ratio_is_given_only_when_both_counts_were_measured():
