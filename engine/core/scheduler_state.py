@@ -163,6 +163,16 @@ class AppendEach:
     token_ids: np.ndarray
     counts: np.ndarray | None = None
 
+    def __post_init__(self):
+        rows, tokens, counts = len(self.seq_ids), self.token_ids, self.counts
+        if (tokens.shape != (rows,) if counts is None else (
+                tokens.ndim != 2 or len(tokens) != rows or counts.shape != (rows,)
+                or (rows and counts.max() > tokens.shape[1]))):
+            raise SchedulerUsageError(
+                f"AppendEach of {rows} sequences needs token_ids [{rows}] (one each), or [{rows}, k] and counts "
+                f"[{rows}] of at most k; got token_ids {tokens.shape} and counts "
+                f"{None if counts is None else counts.tolist()}")
+
     def appends(self) -> list:
         """The same as one `Append` (or `AppendMany`) each."""
         if self.counts is None:

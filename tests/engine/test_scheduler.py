@@ -3,6 +3,7 @@ after preemption, replay, abort, and the errors an engine or a user can cause.""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from engine.core import block_manager, scheduler, scheduler_update
@@ -278,3 +279,32 @@ def test_a_step_of_rows_and_newer_records_ends_sequences_in_the_general_order():
     assert [group.request_id for group in updated.finished] == ["old", "new"]
     assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
     assert not updated.num_running
+
+
+def test_a_loops_tokens_for_every_row_at_once_are_checked_against_its_steps():
+    """A multi-step decode of rows (its works the rows' columns) records an AppendEach of each
+    row's kept tokens as the AppendManys would; one with more tokens than a row's steps, or
+    none, is refused as theirs are, naming what is wrong."""
+    config = make_config(block_size=4, reserve_next_block=True)
+    state = scheduler.initial_state(config)
+    for name in ("a", "b"):
+        state = scheduler.add_request(state, name, (1, 2, 3), max_tokens=20)
+    state, out = scheduler.schedule(state)
+    state = scheduler.update(state, append_ones(out))
+    assert len(state.rows) == 2
+    state, out = scheduler.schedule(state, num_steps=3)
+    assert out.num_steps == 3 and len(scheduler_update.scheduled_rows.rows_of(out.scheduled)[0]) == 2
+    seq_ids = np.array([work.seq_ids[0] for work in out.scheduled], np.int64)
+
+    def each(tokens, counts):
+        return scheduler.AppendEach(seq_ids, np.array(tokens, np.int64), np.array(counts, np.int64))
+
+    kept = each([[7, 8, 9], [4, 5, -1]], [3, 2])
+    many = [scheduler.AppendMany(int(seq_ids[0]), (7, 8, 9)), scheduler.AppendMany(int(seq_ids[1]), (4, 5))]
+    assert scheduler_update._update_rows(state, [kept]) is not None, "the rows' update took the AppendEach"
+    assert scheduler.update(state, [kept]).without_rows() == scheduler.update(state, many).without_rows()
+    for tokens, counts in (([[7, 8, 9, 10], [4, 5, 6, 7]], [4, 2]), ([[7, 8, 9], [4, 5, 6]], [3, 0])):
+        with pytest.raises(scheduler.SchedulerUsageError, match="AppendMany gives sequence"):
+            scheduler.update(state, [each(tokens, counts)])
+    with pytest.raises(scheduler.SchedulerUsageError, match=r"counts \[2\] of at most k"):
+        each([[7, 8, 9], [4, 5, 6]], [4, 2])
