@@ -297,7 +297,7 @@ def free(state: BlockManagerState, seq_id: int) -> BlockManagerState:
 def free_each(state: BlockManagerState, seq_ids: Iterable[int]) -> BlockManagerState:
     """`free` of each of `seq_ids` in turn, the pools and maps updated once."""
     device, host, freed = [], [], []
-    for seq_id in seq_ids:
+    for seq_id in dict.fromkeys(seq_ids):  # a sequence named twice is freed once, as by `free` twice
         entry = state.seqs.get(seq_id)
         if entry is not None:
             (device if entry.on_device else host).extend(entry.reserved + entry.block_table[::-1])

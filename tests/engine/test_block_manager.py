@@ -311,3 +311,20 @@ def test_blocks_appended_for_several_sequences_come_from_reservations_first():
     for seq_id in (0, 1):
         state = block_manager.free(state, seq_id)
     assert block_manager.num_free_device_blocks(state) == state.config.num_device_blocks
+
+
+
+def test_freeing_several_sequences_at_once_is_freeing_them_in_turn():
+    """`free_each` gives the state of one `free` after another (the free list, the cache's
+    eviction order, the refcounts), a sequence named twice included."""
+    state = block_manager.initial_state(make_config(num_device_blocks=16, enable_prefix_caching=True))
+    for group in (make_group(range(9), num_seqs=2, first_seq_id=1, request_id="a"),
+                  make_group(range(20, 33), first_seq_id=3, request_id="b")):
+        state, _ = block_manager.allocate(state, group)
+        state = block_manager.mark_computed(state, [computed(seq) for seq in group.seqs])
+    one_by_one = state
+    for seq_id in (3, 1, 1, 2):
+        one_by_one = block_manager.free(one_by_one, seq_id)
+    assert block_manager.free_each(state, [3, 1, 1, 2]) == one_by_one
+    assert one_by_one.prefix_cache.evictable and block_manager.num_free_device_blocks(one_by_one) == 16
+    assert block_manager.free_each(state, []) is state
