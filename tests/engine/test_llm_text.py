@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, BeamSearchParams, SamplingParams
+from engine import LLM, BeamSearchParams, SamplingParams, plain_rows
 from engine.request_state import RequestState, SeqProgress
 from tests.engine.test_llm_parity import COMMON, CONFIGS
 from tests.hf_torch import require_torch
@@ -196,9 +196,10 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
         SamplingParams(stop=["."], detokenize=False)
 
 
-def test_multi_step_decode_stops_where_single_steps_do(llm):
+def test_multi_step_decode_stops_where_single_steps_do(llm, monkeypatch):
     """Stop strings, stop tokens and EOS that end a sequence in the middle of a loop of 8 steps:
-    the same text, tokens and reasons as one step at a time, and every block freed."""
+    the same text, tokens and reasons as one step at a time, and every block freed; without
+    text too, where each loop's tokens are recorded at once."""
     multi = LLM(**COMMON, **CONFIGS["batched"], num_scheduler_steps=8)
     prompts = ["Count: one, two, three,", "The capital of France is", "List three colours:", "Say hi."]
     params = [SamplingParams(temperature=0, max_tokens=40, stop=[" five", "Paris"]),
@@ -210,5 +211,20 @@ def test_multi_step_decode_stops_where_single_steps_do(llm):
     seen = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in expected]
     assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == seen
     assert multi.engine.counters.multi_steps > 0
+    stats = multi.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
+    # Without text every row is plain (``engine.plain_rows``).
+    plain = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[28], detokenize=False),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=37, detokenize=False),
+             SamplingParams(temperature=0, max_tokens=29, detokenize=False),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=60, detokenize=False)]
+    at_once = []
+    record_steps = plain_rows.record_steps
+    monkeypatch.setattr(plain_rows, "record_steps", lambda *args: at_once.append(1) or record_steps(*args))
+    outputs = multi.generate(prompts, plain, use_tqdm=False)
+    assert [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == [
+        [(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+        for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert at_once, "no loop was recorded at once"
     stats = multi.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
