@@ -41,18 +41,15 @@ import argparse
 import cProfile
 import dataclasses
 import itertools
-import os
 import pathlib
-import platform
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks import offline
+from benchmarks import provenance
 from benchmarks.gpu_report import header
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
 from engine import LLM, RequestOutputKind, SamplingParams, gc_freeze
@@ -285,41 +282,6 @@ def headers() -> list[str]:
             "host CPU ms per generated step", "model alone ms"]
 
 
-def machine() -> str:
-    """The CPU's model name, widest vector instructions and cores, and the load when the
-    benchmark started (the same model name has come with and without AVX-512 here)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if name and flags:
-                break
-    except OSError:
-        pass
-    vectors = next((label for flag, label in (("avx512_bf16", "AVX-512 with BF16"), ("avx512f", "AVX-512"),
-                                              ("avx2", "AVX2")) if flag in flags), "")
-    name = f"{name} ({vectors})" if vectors else name
-    return f"{name}, {os.cpu_count()} cores, {platform.system()}; {offline.machine_note()}"
-
-
-def revision() -> str:
-    """The checkout's commit, and the engine's files that differ from it (what was measured)."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
-                              text=True, check=True).stdout
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD").strip()
-        changed = sorted({line[3:] for line in git("status", "--porcelain", "--", "engine", "models",
-                                                   "pallas_paged").splitlines()})
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"{commit} with uncommitted changes to {', '.join(changed)}" if changed else commit
-
-
 def plot(results: list[Result], name: str) -> pathlib.Path:
     """ms per decode step (median) and ms per generated step, against N, a line per mode and k."""
     import matplotlib
@@ -386,7 +348,7 @@ def main(argv: list[str] | None = None) -> str:
                    for r in measure(directory, count, rounds, args.output_tokens, k)]
     results.sort(key=lambda r: (r.mode, r.num_scheduler_steps, r.count))
     config = TINY_CONFIGS[MODEL]
-    note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
+    note = (f"Machine: {provenance.machine()}.  \nEngine: git {provenance.revision()}.\n\n"
             f"Random `{MODEL}` ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary "
             f"{config['vocab_size']}), float32; N requests of {PROMPT_TOKENS} random prompt tokens, "
             f"{args.output_tokens} new tokens each (ignore_eos; final outputs only, as `LLM.generate` asks), all "
