@@ -132,13 +132,21 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
 _STATIC_FROM = operator.attrgetter("static_sampling_from")
 
 
+def static_sampling_from(rows, requests: dict[str, RequestState]) -> np.ndarray | None:
+    """Each of the decode rows' ``RequestState.static_sampling_from`` (int64 [M]), or None when
+    a row's request is no longer the engine's (aborted since)."""
+    try:
+        return np.fromiter(map(_STATIC_FROM, map(requests.__getitem__, rows.request_ids)), np.int64, len(rows))
+    except KeyError:
+        return None
+
+
 def _rows_eligible(planned: ScheduledRows, requests: dict[str, RequestState], block_size: int) -> bool:
     """`eligible`'s rules for the rows' decodes, from their columns (a row's generated tokens
     are its sequence's output count in the scheduler's rows)."""
     rows = planned.rows
-    try:
-        static_from = np.fromiter(map(_STATIC_FROM, map(requests.__getitem__, rows.request_ids)), np.int64, len(rows))
-    except KeyError:  # a request aborted since
+    static_from = static_sampling_from(rows, requests)
+    if static_from is None:
         return False
     return bool(np.all((rows.num_output >= static_from) & (rows.num_output + 1 < rows.max_tokens)
                        & planned.next_slot_held(block_size)))

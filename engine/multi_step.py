@@ -36,7 +36,6 @@ single steps. It needs sampling that does not depend on this loop's tokens (no p
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,8 +88,8 @@ def dispatch(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork]
     """Dispatch the multi-step decode of ``works`` (decodes of one sequence each, as the
     scheduler plans them), ``num_steps`` wide (the loop's compiled width: the engine's
     ``num_scheduler_steps``, whatever the works' own). Returns it and the new caches."""
-    planned, others = scheduled_rows.rows_of(works)
-    if planned is not None and not others:
+    planned = scheduled_rows.rows_alone(works)
+    if planned is not None:
         rows = tuple(map(Row, range(len(planned)), map(requests.__getitem__, planned.rows.request_ids),
                          planned.rows.seq_ids.tolist()))
     else:
@@ -109,8 +108,8 @@ def _run(runner: ModelRunner, kv_caches, works, rows, inputs, batch: SamplingBat
 
 def _steps(works: Sequence[ScheduledGroupWork]) -> Sequence[int]:
     """Each work's steps (the rows' from their column)."""
-    planned, others = scheduled_rows.rows_of(works)
-    if planned is not None and not others:
+    planned = scheduled_rows.rows_alone(works)
+    if planned is not None:
         return planned.steps_list()
     return [work.num_steps for work in works]
 
@@ -138,8 +137,8 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
     if state.waiting or state.swapped:
         return None
     size, max_model_len, following = state.config.block_manager.block_size, state.config.max_model_len, []
-    planned, others = scheduled_rows.rows_of(works)
-    if planned is not None and not others:
+    planned = scheduled_rows.rows_alone(works)
+    if planned is not None:
         return _next_rows(planned, requests, num_steps, size, max_model_len)
     for work in works:
         request, seq_id = requests.get(work.request_id), work.seq_ids[0]
@@ -159,21 +158,15 @@ def _next_rows(planned: ScheduledRows, requests: dict[str, RequestState], num_st
     """`next_works` for the rows' decodes, from their columns (a row's generated tokens are
     its sequence's output count in the scheduler's rows)."""
     rows = planned.rows
-    try:
-        static_from = np.fromiter(map(_STATIC_FROM, map(requests.__getitem__, rows.request_ids)), np.int64, len(rows))
-    except KeyError:  # a request aborted since
+    static_from = async_scheduling.static_sampling_from(rows, requests)
+    if (static_from is None or planned.steps is None or not np.all(planned.steps == num_steps)
+            or np.any(rows.num_output < static_from)):
         return None
-    if planned.steps is None or not np.all(planned.steps == num_steps) or np.any(rows.num_output < static_from):
+    starts = planned.starts + num_steps
+    steps = np.minimum(np.minimum(num_steps, rows.max_tokens - rows.num_output - num_steps), max_model_len - starts)
+    if np.any(steps < 1) or np.any(starts + steps > planned.table_lengths * size):
         return None
-    following = planned.following(num_steps, np.zeros(len(planned), np.int64))
-    steps = np.minimum(np.minimum(num_steps, rows.max_tokens - rows.num_output - num_steps),
-                       max_model_len - following.starts)
-    if np.any(steps < 1) or np.any(following.starts + steps > planned.table_lengths * size):
-        return None
-    return PlannedWorks(following.with_steps(steps))
-
-
-_STATIC_FROM = operator.attrgetter("static_sampling_from")
+    return PlannedWorks(planned.following(num_steps, steps))
 
 
 def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightSteps,

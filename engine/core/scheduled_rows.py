@@ -150,6 +150,12 @@ def rows_of(works: Sequence[ScheduledGroupWork]) -> tuple[ScheduledRows | None, 
     return None, works
 
 
+def rows_alone(works: Sequence[ScheduledGroupWork]) -> ScheduledRows | None:
+    """The rows' decodes as columns when they are all of `works` (no other work); else None."""
+    rows, others = rows_of(works)
+    return rows if rows is not None and not others else None
+
+
 def num_tokens(works: Sequence[ScheduledGroupWork]) -> int:
     """The tokens `works` compute in their first step (the rows' one each, from the columns)."""
     rows, others = rows_of(works)

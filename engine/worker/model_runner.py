@@ -132,8 +132,8 @@ def _fill_tables(block_tables: np.ndarray, tables: Sequence[tuple[int, ...]]) ->
 def _decode_columns(works: Sequence[ScheduledGroupWork]) -> tuple[Sequence[tuple[int, ...]], Sequence, Sequence]:
     """The block tables, tokens and positions of decodes (one token each), from the rows'
     columns when the works are those alone (``engine.core.scheduled_rows``)."""
-    planned, others = scheduled_rows.rows_of(works)
-    if planned is not None and not others:
+    planned = scheduled_rows.rows_alone(works)
+    if planned is not None:
         return planned.tables, planned.rows.last_tokens, planned.starts
     return ([work.block_table for work in works], [work.token_ids[0] for work in works],
             [work.start for work in works])
@@ -246,8 +246,8 @@ class ModelRunner:
         on the device from the tables before."""
         metadata, size, n = next_inputs.metadata, self.block_size, len(works)
         tables = np.zeros(metadata.block_tables.shape, np.int32)
-        planned, others = scheduled_rows.rows_of(works)
-        if planned is not None and not others:  # the rows' decodes: their columns
+        planned = scheduled_rows.rows_alone(works)
+        if planned is not None:  # the rows' decodes: their columns
             _fill_tables(tables, planned.tables)
             positions = planned.starts + 1
         else:
