@@ -319,12 +319,11 @@ def schedule(
     ahead = config.reserve_next_block and not (swapped or waiting)
     reserved = None
     works = step.work if step.row_works is None else PlannedWorks(step.row_works, step.work)
+    left = functools.partial(tokens_left, step.rows, step.running)  # read only where the columns do not say
     if num_steps > 1 and _only_decodes(step):
-        left = functools.partial(tokens_left, step.rows, step.running)  # read only for the works as records
         reserved = scheduler_ahead.reserve_steps(step.blocks, works, left, num_steps, config, ahead)
     if reserved is None and ahead and not step.preempted:
-        left_later = functools.partial(tokens_left, step.rows, step.running)  # read only when a block opens
-        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, works, left_later, config)
+        reserved = scheduler_ahead.reserve_next_blocks(step.blocks, works, left, config)
     if reserved is not None:
         step, works = dataclasses.replace(step, blocks=reserved[0]), reserved[1]
     output = SchedulerOutput(
