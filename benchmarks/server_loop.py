@@ -32,15 +32,8 @@ import time
 import numpy as np
 
 from benchmarks.gpu_report import header
-from benchmarks.host_overhead import (
-    MODEL,
-    OUTPUT_TOKENS,
-    all_decode,
-    engine_settings,
-    machine,
-    random_prompts,
-    revision,
-)
+from benchmarks.host_overhead import MODEL, OUTPUT_TOKENS, all_decode, engine_settings, random_prompts
+from benchmarks.provenance import machine, revision
 from benchmarks.timing import print_table, result_name, save_text
 from engine import LLM, SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
