@@ -11,6 +11,11 @@ decoders drop the space of a text's first token, which is not the first of the w
 Tokenizers with a Rust backend (the fast ones, which is nearly all) do the same in Rust:
 ``tokenizers``' ``DecodeStream`` (:func:`open_stream`), nine times faster a token; the
 offsets here are for the others.
+
+The text only has to keep up with the tokens where something reads it as it grows: stop
+strings. Otherwise a sequence's tokens are decoded when an output needs its text
+(:func:`decode_pending`, one token at a time in the same order, so the text is the same): once
+at the end for ``LLM.generate`` and whole answers, a step's token per streamed output.
 """
 
 from __future__ import annotations
@@ -72,6 +77,36 @@ def stream_next(stream, tokenizer, token_id: int, state: DecodeState) -> DecodeS
     the stream holds back an incomplete UTF-8 character until a later token completes it."""
     piece = stream.step(tokenizer._tokenizer, token_id)
     return DecodeState(state.text + piece, state.prefix_offset, state.read_offset) if piece else state
+
+
+def decode_pending(seq, tokenizer, prompt_context, *, skip_special_tokens: bool) -> int:
+    """Extend the text of ``seq`` (a ``request_state.SeqProgress``: its ``token_ids``,
+    ``decoded``, ``stream`` and ``num_decoded``) with its tokens past ``num_decoded``, one at a
+    time as :func:`stream_next` or :func:`decode_next` take them; returns the characters the last
+    one added. ``prompt_context``: the prompt's last tokens."""
+    added = 0
+    while seq.num_decoded < len(seq.token_ids):
+        seq.num_decoded += 1
+        before = len(seq.decoded.text)
+        seq.decoded = _with_next_token(seq, tokenizer, prompt_context, skip_special_tokens)
+        added = len(seq.decoded.text) - before
+    return added
+
+
+def _with_next_token(seq, tokenizer, prompt_context, skip_special_tokens: bool) -> DecodeState:
+    """``seq``'s text with token ``num_decoded - 1``'s: through its ``DecodeStream`` where the
+    tokenizer has one, else :func:`decode_next` (also from the first failure of a stream on:
+    it decodes the whole output so far once, then on)."""
+    if seq.stream is None:
+        seq.stream = open_stream(tokenizer, prompt_context, skip_special_tokens=skip_special_tokens) or False
+    if seq.stream:
+        try:
+            return stream_next(seq.stream, tokenizer, seq.token_ids[seq.num_decoded - 1], seq.decoded)
+        except Exception:  # noqa: BLE001 (any decoder failure: decode the slow way, which has none)
+            seq.stream, seq.decoded = False, DecodeState()
+    ids = seq.token_ids if seq.num_decoded == len(seq.token_ids) else seq.token_ids[: seq.num_decoded]
+    return decode_next(tokenizer, ids, seq.decoded, prompt_context=prompt_context,
+                       skip_special_tokens=skip_special_tokens)
 
 
 def decode_after(tokenizer, prompt_ids, token_ids) -> str:

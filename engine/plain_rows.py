@@ -2,7 +2,8 @@
 need no text.
 
 Most steps sample one token for each of the same sequences as the step before (the
-lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes text,
+lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes text
+as it goes (a request without stop strings makes its text when an output needs it),
 log-probabilities or a constraint's state, or chooses beams, a token is recorded by the stop
 rules alone: it stops its sequence only at ``max_tokens``, or if it is a stop token (EOS
 included). :class:`PlainRows` holds what those rules read, made once for a tuple of rows and
@@ -49,8 +50,9 @@ class PlainRows:
 
 def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRows | None:
     """``rows`` as :class:`PlainRows`, or None unless each is plain: not beam search, no
-    log-probabilities (nor a cumulative one), no text (no ``tokenizer``, or ``detokenize``
-    False), no constraint, not finished."""
+    log-probabilities (nor a cumulative one), no text made as tokens come (no ``tokenizer``,
+    ``detokenize`` False, or text decoded when an output needs it:
+    ``RequestState.defers_text``), no constraint, not finished."""
     found = tuple(requests.get(row.request.request_id) for row in rows)
     if not rows or any(request is None or not _plain(request, tokenizer) for request in found):
         return None
@@ -70,7 +72,7 @@ def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRow
 
 def _plain(request: RequestState, tokenizer) -> bool:
     return (not request.is_beam_search and not request.tracks_logprob
-            and (tokenizer is None or not request.params.detokenize))
+            and (tokenizer is None or not request.params.detokenize or request.defers_text))
 
 
 def still_valid(plain: PlainRows, requests: dict[str, RequestState]) -> bool:

@@ -15,15 +15,7 @@ import time
 import numpy as np
 
 from engine import beam_search, structured_output
-from engine.detokenizer import (
-    PROMPT_CONTEXT_TOKENS,
-    DecodeState,
-    decode_after,
-    decode_next,
-    find_stop,
-    open_stream,
-    stream_next,
-)
+from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_pending, find_stop
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs, token_logprobs
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -41,6 +33,7 @@ class SeqProgress:
     stop_reason: str | int | None = None
     matcher: object | None = None  # the constraint's state (structured_output), if the request has one
     stream: object | None = None  # the text's DecodeStream (detokenizer.open_stream); False: decode_next
+    num_decoded: int = 0  # tokens whose text is in ``decoded`` (RequestState.defers_text: fewer until an output)
 
     def completion(self, held_back: int = 0) -> CompletionOutput:
         """A snapshot; while running, the last ``held_back`` characters (which might still turn
@@ -124,6 +117,15 @@ class RequestState:
                 or self.params.num_candidates > self.params.n)
 
     @functools.cached_property
+    def defers_text(self) -> bool:
+        """Whether this request's text is decoded when an output needs it rather than as each
+        token is recorded: it has text and nothing reads it as it grows (no stop strings, no
+        constraint, which can end a sequence before its token's text); not beam search."""
+        params = self.params
+        return (not self.is_beam_search and params.detokenize and not params.stop
+                and params.guided_decoding is None)
+
+    @functools.cached_property
     def steered_by_each_token(self) -> bool:
         """Whether which tokens may come next depends on the tokens just generated (bad words,
         a structured-output constraint), so the host must see every token before the next step
@@ -196,7 +198,8 @@ class RequestState:
         seq = self.seqs[seq_id]
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if tokenizer is None and step_logprobs is None and seq.matcher is None:  # no text: the stop rules alone
+        text_tokenizer = None if self.defers_text else tokenizer
+        if text_tokenizer is None and step_logprobs is None and seq.matcher is None:  # the stop rules alone
             self._record_without_text(seq, (token,), (logprob,))
             return seq.finish_reason is not None
         seq.token_ids.append(token)
@@ -205,12 +208,10 @@ class RequestState:
         if step_logprobs is not None:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(step_logprobs)
-        before = len(seq.decoded.text)
         if seq.matcher is not None and self._follow_constraint(seq, token):
             return True
-        if tokenizer is not None:
-            seq.decoded = self._next_text(seq, tokenizer)
-        seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, len(seq.decoded.text) - before)
+        new_chars = 0 if text_tokenizer is None else self._decode_pending(seq, text_tokenizer)
+        seq.finish_reason, seq.stop_reason = self._stop_reason(seq, token, new_chars)
         return seq.finish_reason is not None
 
     def record_tokens(self, seq_id: int, tokens: list[int], logprobs: list[float], tokenizer) -> int:
@@ -220,7 +221,7 @@ class RequestState:
         :meth:`record` on each in turn, at once for the whole row where no text is made (no
         ``tokenizer``) and no constraint follows each token."""
         seq = self.seqs[seq_id]
-        if tokenizer is not None or seq.matcher is not None:
+        if (tokenizer is not None and not self.defers_text) or seq.matcher is not None:
             for kept, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
                 if self.record(seq_id, token, logprob, None, tokenizer):
                     return kept
@@ -253,19 +254,20 @@ class RequestState:
                 return count - num_before, ("length", None)
         return len(tokens), (None, None)
 
-    def _next_text(self, seq: SeqProgress, tokenizer) -> DecodeState:
-        """``seq``'s text with its last token's: through its ``DecodeStream`` where the
-        tokenizer has one (:func:`engine.detokenizer.open_stream`), else :func:`decode_next`
-        (also from the first failure of a stream on: it decodes the whole output once, then on)."""
-        context, skip = self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], self.params.skip_special_tokens
-        if seq.stream is None:
-            seq.stream = open_stream(tokenizer, context, skip_special_tokens=skip) or False
-        if seq.stream:
-            try:
-                return stream_next(seq.stream, tokenizer, seq.token_ids[-1], seq.decoded)
-            except Exception:  # noqa: BLE001 (any decoder failure: decode the slow way, which has none)
-                seq.stream, seq.decoded = False, DecodeState()
-        return decode_next(tokenizer, seq.token_ids, seq.decoded, prompt_context=context, skip_special_tokens=skip)
+    def _decode_pending(self, seq: SeqProgress, tokenizer) -> int:
+        """Decode ``seq``'s tokens not yet in its text (:func:`engine.detokenizer.decode_pending`);
+        the characters the last one added."""
+        return decode_pending(seq, tokenizer, self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
+                              skip_special_tokens=self.params.skip_special_tokens)
+
+    def _decode_deferred(self, tokenizer) -> None:
+        """Bring the text of each sequence (:attr:`defers_text`) up to its tokens, leaving out
+        the stop token's text as :meth:`_stop_reason` does when a sequence stopped on one."""
+        for seq in self.seqs.values():
+            new_chars = self._decode_pending(seq, tokenizer)
+            if (new_chars and seq.finish_reason == "stop" and not self.params.include_stop_str_in_output
+                    and len(seq.token_ids) >= self.params.min_tokens and seq.token_ids[-1] in self.stop_token_set):
+                self._cut_text(seq, len(seq.decoded.text) - new_chars)
 
     def _follow_constraint(self, seq: SeqProgress, token: int) -> bool:
         """Advance ``seq``'s constraint by ``token``; True (the request ends with an error) if
@@ -316,6 +318,8 @@ class RequestState:
         step: the common case, one sequence, takes no sorting.)"""
         finished = self.finished
         best_of = not self.is_beam_search and finished and self.params.num_candidates > self.params.n
+        if self.defers_text and tokenizer is not None:
+            self._decode_deferred(tokenizer)
         if self.is_beam_search:
             completions = self._beam_completions(tokenizer)
         elif self.output_kind is RequestOutputKind.DELTA:  # never with best_of > n (add_request refuses it)

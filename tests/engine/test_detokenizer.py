@@ -7,7 +7,17 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaTokenizerFast
 
-from engine.detokenizer import PROMPT_CONTEXT_TOKENS, DecodeState, decode_after, decode_next, open_stream, stream_next
+from engine.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    DecodeState,
+    decode_after,
+    decode_next,
+    decode_pending,
+    open_stream,
+    stream_next,
+)
+from engine.request_state import RequestState, SeqProgress
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +79,53 @@ def test_a_decode_stream_gives_the_text_decode_next_gives(sentencepiece_style, s
                 assert streamed.text == slow.text
             whole = tokenizer.decode(context + output, skip_special_tokens=skip_special_tokens)
             assert streamed.text == whole[len(tokenizer.decode(context, skip_special_tokens=skip_special_tokens)):]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "decode_next"])
+def test_tokens_decoded_in_batches_give_the_text_of_one_at_a_time(sentencepiece_style, stream):
+    """``decode_pending`` catches a sequence's text up with any number of new tokens, one at a
+    time, so text decoded late (a request without stop strings) is the text made token by token."""
+    tokenizer = sentencepiece_style
+    context = tokenizer.encode("the capital of")[-PROMPT_CONTEXT_TOKENS:]
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        output = rng.integers(0, len(tokenizer), 12).tolist()
+        one_at_a_time, batched = (SeqProgress(i, stream=None if stream else False) for i in range(2))
+        for n in range(1, len(output) + 1):
+            one_at_a_time.token_ids.append(output[n - 1])
+            decode_pending(one_at_a_time, tokenizer, context, skip_special_tokens=True)
+        for chunk in (output[:1], output[1:6], [], output[6:]):
+            batched.token_ids.extend(chunk)
+            decode_pending(batched, tokenizer, context, skip_special_tokens=True)
+        assert batched.decoded == one_at_a_time.decoded and batched.num_decoded == len(output)
+        assert (batched.stream is not False) == stream
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_request_without_stop_strings_decodes_at_its_output_the_text_of_one_that_has_them(sentencepiece_style,
+                                                                                            keep):
+    """A request with a stop string (never found) makes its text as each token is recorded; one
+    without makes it when its output is built. The same tokens, ending on a stop token (whose
+    text is left out unless ``include_stop_str_in_output``), give the same text, streamed or whole."""
+    tokenizer = sentencepiece_style
+    prompt = tuple(tokenizer.encode("once upon a"))
+    rng = np.random.default_rng(3)
+    stop_token = tokenizer.convert_tokens_to_ids("▁the")
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        tokens = [*rng.integers(3, len(tokenizer), 9).tolist(), stop_token]
+        texts = []
+        for stop in ([], ["never in the text"]):
+            params = SamplingParams(stop=stop, stop_token_ids=[stop_token], include_stop_str_in_output=keep,
+                                    output_kind=kind, max_tokens=50)
+            request = RequestState("r", None, prompt, params, seed=0, max_tokens=50, eos_token_ids=(2,))
+            request.seqs = {0: SeqProgress(0)}
+            assert request.defers_text == (not stop)
+            pieces = []
+            for token in tokens:
+                stopped = request.record(0, token, 0.0, None, tokenizer)
+                if kind is not RequestOutputKind.FINAL_ONLY or stopped:
+                    pieces.append(request.output(tokenizer).outputs[0].text)
+            assert stopped and request.seqs[0].finish_reason == "stop"
+            texts.append("".join(pieces) if kind is RequestOutputKind.DELTA else pieces[-1])
+        assert texts[0] == texts[1]
+        assert texts[0].endswith(" the") == keep

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams, plain_rows
@@ -72,6 +74,30 @@ def test_text_equals_decoding_the_tokens(llm):
     for out in outs:
         completion = out.outputs[0]
         assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+# A stop string no output here says: the request's text is made as each token comes.
+NEVER_SAID = "<never said>"
+
+
+def test_text_made_at_the_end_is_the_text_made_token_by_token(llm, monkeypatch):
+    """``LLM.generate`` without stop strings records its rows at once and decodes each text once,
+    at the end; with a stop string (never said) each token's text is made as it comes. Same
+    texts: characters split over tokens, special tokens kept, stop tokens' text left out or kept."""
+    prompts = ["Write a haiku about the sea.", "日本の首都は", "Count: one, two, three,"]
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    stop_token = free[2].outputs[0].token_ids[2]
+    recorded = []
+    record = plain_rows.record
+    monkeypatch.setattr(plain_rows, "record", lambda *args: recorded.append(1) or record(*args))
+    for extra in (dict(skip_special_tokens=False), dict(stop_token_ids=[stop_token]),
+                  dict(stop_token_ids=[stop_token], include_stop_str_in_output=True)):
+        params = SamplingParams(temperature=0, max_tokens=24, **extra)
+        at_end = llm.generate(prompts, params, use_tqdm=False)
+        as_they_come = llm.generate(prompts, dataclasses.replace(params, stop=(NEVER_SAID,)), use_tqdm=False)
+        assert [o.outputs[0].text for o in at_end] == [o.outputs[0].text for o in as_they_come]
+        assert [o.outputs[0].token_ids for o in at_end] == [o.outputs[0].token_ids for o in as_they_come]
+    assert recorded, "no step was recorded at once"
 
 
 def test_stop_string_ends_generation_and_is_cut(llm):
@@ -199,7 +225,7 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
 def test_multi_step_decode_stops_where_single_steps_do(llm, monkeypatch):
     """Stop strings, stop tokens and EOS that end a sequence in the middle of a loop of 8 steps:
     the same text, tokens and reasons as one step at a time, and every block freed; without
-    text too, where each loop's tokens are recorded at once."""
+    text made at the end too, where each loop's tokens are recorded at once."""
     multi = LLM(**COMMON, **CONFIGS["batched"], num_scheduler_steps=8)
     prompts = ["Count: one, two, three,", "The capital of France is", "List three colours:", "Say hi."]
     params = [SamplingParams(temperature=0, max_tokens=40, stop=[" five", "Paris"]),
@@ -213,18 +239,20 @@ def test_multi_step_decode_stops_where_single_steps_do(llm, monkeypatch):
     assert multi.engine.counters.multi_steps > 0
     stats = multi.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
-    # Without text every row is plain (``engine.plain_rows``).
-    plain = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[28], detokenize=False),
-             SamplingParams(temperature=0.8, seed=3, max_tokens=37, detokenize=False),
-             SamplingParams(temperature=0, max_tokens=29, detokenize=False),
-             SamplingParams(temperature=0.7, seed=5, max_tokens=60, detokenize=False)]
+    # Without stop strings the text is made when the output is (``RequestState.defers_text``)
+    # and every row is plain (``engine.plain_rows``): the same text as made token by token.
+    plain = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[28]),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=37, include_stop_str_in_output=True),
+             SamplingParams(temperature=0, max_tokens=29, skip_special_tokens=False),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=60)]
+    token_by_token = [dataclasses.replace(p, stop=(NEVER_SAID,)) for p in plain]
     at_once = []
     record_steps = plain_rows.record_steps
     monkeypatch.setattr(plain_rows, "record_steps", lambda *args: at_once.append(1) or record_steps(*args))
     outputs = multi.generate(prompts, plain, use_tqdm=False)
-    assert [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == [
-        [(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
-        for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == [
+        [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+        for o in llm.generate(prompts, token_by_token, use_tqdm=False)]
     assert at_once, "no loop was recorded at once"
     stats = multi.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
