@@ -15,8 +15,11 @@ sequence stopping at N (a stop token, EOS, an abort): a decode-only step, nothin
 swapped out (no admissions), no sequence at its length limit, every next token's slot already
 in its block table (in its last token's block, or in the next block, which the scheduler
 reserves a step early: ``SchedulerConfig.reserve_next_block``; so no allocation, preemption
-or copy-on-write), and no sampling input that depends on the token still on the device
-(penalties, bad words, ``min_tokens`` still to reach) or on the host's choices (beam search).
+or copy-on-write), and no sampling input that depends on the token still on the device in a
+way only the host can follow (bad words, a constraint, ``min_tokens`` still to reach) or on
+the host's choices (beam search). Penalties count it: the lookahead's sampling parameters
+write it into the tokens they count, on the device (``sampling_rows.next_batch``), while
+their array has room (it is a power of two wide; when full, the host builds a wider one).
 Dropping one is harmless: it wrote KV only one slot past each sequence's context, in a block
 the sequence alone holds, where nothing reads before the slot is written again.
 
@@ -81,9 +84,13 @@ def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroup
                   ) -> tuple[Lookahead | None, list]:
     """Dispatch the decode after ``works`` (see :func:`eligible`), its input tokens
     ``in_flight``'s samples on the device. Returns the lookahead (None when the step picked its
-    logits rows, or padded its samples to another size) and the caches after it."""
+    logits rows, padded its samples to another size, or its penalties have no room for its
+    tokens: ``sampling_rows.next_batch``) and the caches after it."""
     tokens, inputs = in_flight.sampled.tokens, in_flight.inputs
     if inputs.pick or tokens.shape != inputs.input_ids.shape:
+        return None, kv_caches
+    batch = None if in_flight.batch is None else sampling_rows.next_batch(in_flight.batch, tokens)
+    if in_flight.batch is not None and batch is None:
         return None, kv_caches
     next_inputs = in_flight.next_inputs if in_flight.next_inputs is not None else runner.advance(inputs)
     tables = block_tables(works)
@@ -91,10 +98,10 @@ def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroup
         next_inputs = runner.with_tables_of(next_inputs, works)
     inputs = next_inputs.replace(input_ids=tokens)
     out, kv_caches = runner.run(inputs, kv_caches)
-    if in_flight.batch is None:  # the same program as ``in_flight``'s, so the arg-max is there
-        sampled, batch = sampling_rows.model_argmax(out.argmax), None
+    if batch is None:  # the same program as ``in_flight``'s, so the arg-max is there
+        sampled = sampling_rows.model_argmax(out.argmax)
     else:
-        sampled, batch = sampling_rows.dispatch_next(out.logits, in_flight.batch)
+        sampled = sampling_rows.dispatch_next(out.logits, batch)
     rows = in_flight.rows
     if not in_flight.rows_in_order and any(row.logits_row != i for i, row in enumerate(rows)):
         rows = tuple(dataclasses.replace(row, logits_row=i) for i, row in enumerate(rows))

@@ -31,7 +31,8 @@ before this one's tokens reach the host (:func:`next_works`, :func:`dispatch_nex
 input tokens this loop's last ones on the device, so that the host records a loop while the
 device runs the next: when nothing waits, the scheduler reserves the slots of both loops, and
 the lookahead is taken when the next plan is exactly its work (no sequence stopped), as for
-single steps. It needs sampling that does not depend on this loop's tokens (no penalties).
+single steps. Its penalties count this loop's tokens, written into their history on the device
+(``sampling_rows.next_batch``).
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def dispatch_lookahead(runner: ModelRunner, kv_caches, works: Sequence[Scheduled
     """The loop after ``in_flight`` (the multi-step decode of ``works``) dispatched as a
     lookahead, if it can be (:func:`next_works`), and the caches after it."""
     following = next_works(works, requests, state, num_steps)
-    if following is None:
+    batch = None if following is None else sampling_rows.next_batch(in_flight.batch, in_flight.tokens, num_steps)
+    if batch is None:
         return None, kv_caches
-    loop, kv_caches = dispatch_next(runner, kv_caches, following, in_flight, num_steps)
+    loop, kv_caches = dispatch_next(runner, kv_caches, following, in_flight, batch, num_steps)
     return async_scheduling.Lookahead(following, loop), kv_caches
 
 
@@ -170,13 +172,12 @@ def _next_rows(planned: ScheduledRows, requests: dict[str, RequestState], num_st
 
 
 def dispatch_next(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork], in_flight: InFlightSteps,
-                  num_steps: int) -> tuple[InFlightSteps, list]:
+                  batch: SamplingBatch, num_steps: int) -> tuple[InFlightSteps, list]:
     """Dispatch the loop ``works`` (:func:`next_works`) after ``in_flight``, its input tokens
-    ``in_flight``'s last ones on the device, its random streams ``num_steps`` on. Returns it and
-    the new caches."""
+    ``in_flight``'s last ones on the device, sampled with ``batch`` (``in_flight``'s ``num_steps``
+    on: ``sampling_rows.next_batch``). Returns it and the new caches."""
     inputs = runner.prepare(works, range(len(works)), argmax_only=in_flight.argmax_only)
     inputs = inputs.replace(input_ids=in_flight.last)
-    batch = in_flight.batch.replace(step=in_flight.batch.step + np.int32(num_steps))
     return _run(runner, kv_caches, works, in_flight.rows, inputs, batch, num_steps, in_flight.argmax_only)
 
 

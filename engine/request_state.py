@@ -134,12 +134,12 @@ class RequestState:
 
     @functools.cached_property
     def sampling_is_static(self) -> bool:
-        """Whether the sampler's inputs for a sequence's next token never depend on the token
-        before it, once ``min_tokens`` is reached: no penalties (they count it), no bad words
-        or constraint (they follow it); not beam search (the host chooses the beams)."""
-        params = self.params
-        return (not self.is_beam_search and not self.steered_by_each_token and not params.presence_penalty
-                and not params.frequency_penalty and params.repetition_penalty == 1.0)
+        """Whether the sampler's inputs for a sequence's next token depend on the token before
+        it, once ``min_tokens`` is reached, only as the device can carry on without the host:
+        the step (its random stream) and the penalties' counts
+        (``sampling_rows.next_batch``); not with bad words or a constraint (they follow it), nor
+        in beam search (the host chooses the beams)."""
+        return not self.is_beam_search and not self.steered_by_each_token
 
     @functools.cached_property
     def static_sampling_from(self) -> int:
@@ -218,8 +218,8 @@ class RequestState:
         """Record ``tokens``, sampled one after another (a multi-step decode's row, with each
         one's log-probability, for a request that asks for no log-probabilities entries), up to
         and with the first that stops the sequence; returns how many it kept. The same as
-        :meth:`record` on each in turn, at once for the whole row where no text is made (no
-        ``tokenizer``) and no constraint follows each token."""
+        :meth:`record` on each in turn, at once for the whole row where no text is made as the
+        tokens come (no ``tokenizer``, or :attr:`defers_text`) and no constraint follows each token."""
         seq = self.seqs[seq_id]
         if (tokenizer is not None and not self.defers_text) or seq.matcher is not None:
             for kept, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):

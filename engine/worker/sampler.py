@@ -129,6 +129,16 @@ def apply_penalties(logits, batch: SamplingBatch):
     return logits - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
 
 
+@jax.jit
+def appended_history(output_tokens, step, tokens):
+    """``output_tokens`` (int32 [rows, W], -1 padded: the tokens the penalties count) with each
+    row's ``tokens`` (int32 [rows, K], -1: none) written from its column ``step`` (int32
+    [rows]: its tokens so far) on; tokens past column W are dropped."""
+    columns = step[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    columns = jnp.where(tokens < 0, output_tokens.shape[1], columns)
+    return output_tokens.at[jnp.arange(output_tokens.shape[0])[:, None], columns].set(tokens, mode="drop")
+
+
 def _first_index(mask):
     """Index of the first True along the last axis (its length if none). mask: bool[..., n] → int32[...]."""
     return jnp.min(jnp.where(mask, jnp.arange(mask.shape[-1], dtype=jnp.int32), mask.shape[-1]), axis=-1)

@@ -19,7 +19,7 @@ from engine.core.scheduler import ScheduledGroupWork
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.worker import stages
-from engine.worker.sampler import SamplerOutput, SamplingBatch, pick_rows, sample
+from engine.worker.sampler import SamplerOutput, SamplingBatch, appended_history, pick_rows, sample
 
 # Biases (and allowed lists) of up to this many tokens share one sampler program per row count.
 _MIN_BIAS_WIDTH = 16
@@ -62,10 +62,10 @@ def logits_plan(works: Sequence[ScheduledGroupWork], requests: dict[str, Request
     return logits_tokens, rows, prompt_rows
 
 
-def _padded(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1) -> np.ndarray:
-    """[rows, max(min_width, pow2(longest))] of token ids (or other values), ``fill`` padded
-    ([rows, 0] unless ``when``)."""
-    width = max(min_width, _pow2(max((len(t) for t in token_lists), default=1))) if when else 0
+def _padded(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int = 1, room: int = 0) -> np.ndarray:
+    """[rows, max(min_width, pow2(longest + room))] of token ids (or other values), ``fill``
+    padded ([rows, 0] unless ``when``)."""
+    width = max(min_width, _pow2(max((len(t) for t in token_lists), default=1) + room)) if when else 0
     out = np.full((len(token_lists), width), fill, dtype)
     if when:
         for i, tokens in enumerate(token_lists):
@@ -107,7 +107,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         seed=column((row.request.seed for row in rows), np.uint32, 0),
         sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
         step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
-        output_tokens=_padded(outputs, when=penalties),
+        output_tokens=_padded(outputs, when=penalties, room=1),  # room for a lookahead's token: next_batch
         prompt_tokens=_padded(prompts, when=penalties),
         banned=_padded(banned, when=any(banned)),
         bias_tokens=_padded([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
@@ -175,12 +175,26 @@ def batch_of(rows: list[Row], vocab_size: int, pad_to: int = 1) -> SamplingBatch
     return batch_for(rows, num_top, vocab_size, size=pad_to)
 
 
-def dispatch_next(logits, batch: SamplingBatch) -> tuple[SamplerOutput, SamplingBatch]:
-    """Sample the step after the one ``batch`` sampled, for the same rows, the logits' own in
-    order (a lookahead, :mod:`engine.async_scheduling`, whose inputs depend on nothing but the step):
-    each row's random number is then the one it would draw after recording the earlier token."""
-    batch = batch.replace(step=batch.step + np.int32(1))
-    return sample(_committed(logits), batch), batch
+def next_batch(batch: SamplingBatch, tokens, num_steps: int = 1) -> SamplingBatch | None:
+    """The parameters of the step (or multi-step loop) after the one ``batch`` sampled, for the
+    same rows, each of which sampled ``num_steps`` ``tokens`` there (int32 [rows] or [rows, K],
+    on the device): each row's step counts them, so its random numbers are those it would draw
+    after recording them, and its penalties' tokens include them (written on the device:
+    :func:`~engine.worker.sampler.appended_history`). None when those have no room for them
+    (the host builds the next batch, a power of two wider)."""
+    step = batch.step + np.int32(num_steps)
+    if not batch.penalties:
+        return batch.replace(step=step)
+    if int(batch.step.max(initial=0)) + num_steps > batch.output_tokens.shape[1]:
+        return None
+    history = appended_history(batch.output_tokens, batch.step, tokens.reshape(tokens.shape[0], -1))
+    return batch.replace(step=step, output_tokens=history)
+
+
+def dispatch_next(logits, batch: SamplingBatch) -> SamplerOutput:
+    """Sample the logits of a lookahead's rows (:mod:`engine.async_scheduling`), the logits'
+    own in order, with ``batch`` (:func:`next_batch`)."""
+    return sample(_committed(logits), batch)
 
 
 def _committed(logits):

@@ -275,10 +275,30 @@ def test_tables_given_since_are_those_prepare_makes(llms, rows):
     np.testing.assert_array_equal(given.metadata.slot_mapping, wanted.metadata.slot_mapping)
 
 
+def test_penalised_sequences_decode_from_lookaheads(llms):
+    """Penalties count the token still on the device: a lookahead's sampling parameters write it
+    into the tokens they count (``sampling_rows.next_batch``), until that power-of-two-wide
+    array is full and the host builds it again, twice as wide: the same outputs as without
+    async scheduling."""
+    on, off, vocab = llms
+    params = [SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, presence_penalty=0.8, repetition_penalty=1.3, max_tokens=40,
+                             ignore_eos=True)]
+    batch = prompts(2, vocab, seed=3)
+    counters = on.engine.counters
+    steps, taken = counters.steps, counters.lookahead_steps
+    ours = on.generate(batch, params, use_tqdm=False)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, params, use_tqdm=False)]
+    # All but the prefill and the steps whose arrays the host builds: after 1, 3, 5, 9, 17 and
+    # 33 tokens (each array a power of two wide with room for one more, filled by lookaheads).
+    assert counters.lookahead_steps - taken == counters.steps - steps - 7
+
+
 def test_no_lookahead_where_its_inputs_would_depend_on_the_token(llms):
+    """Until ``min_tokens``, EOS is banned as the host counts the tokens: it must see each one first."""
     on, _, vocab = llms
     engine = on.engine
-    engine.add_request("p", prompts(1, vocab, seed=3)[0], SamplingParams(temperature=0, frequency_penalty=1.0,
+    engine.add_request("p", prompts(1, vocab, seed=3)[0], SamplingParams(temperature=0, min_tokens=12,
                                                                          max_tokens=12, ignore_eos=True))
     before = engine.counters.lookahead_steps
     while engine.has_unfinished_requests():

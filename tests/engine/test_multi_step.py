@@ -108,6 +108,23 @@ def test_a_lone_greedy_sequence_runs_in_loops_of_the_steps_asked(llms):
     assert counters.lookahead_steps - taken == 7
 
 
+def test_a_penalised_sequence_runs_loops_dispatched_ahead_too(llms):
+    """The loop after a penalised one counts its tokens, written on the device into the tokens
+    the penalties count, where that array (a power of two wide) has room for them."""
+    single, multi, _, vocab = llms
+    params = SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=61,
+                            ignore_eos=True)
+    prompt = prompts(1, vocab, seed=6)
+    counters = multi.engine.counters
+    loops, taken = counters.multi_steps, counters.lookahead_steps
+    (ours,) = multi.generate(prompt, params, use_tqdm=False)
+    assert_same_outputs([ours], single.generate(prompt, params, use_tqdm=False))
+    assert counters.multi_steps - loops == 8
+    # Built by the host after 1, 9, 17 and 33 tokens (2, 16, 32 and 64 wide), the loops after
+    # 25, 41, 49 and 57 tokens fit theirs.
+    assert counters.lookahead_steps - taken == 4
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_sequences_resume_with_the_same_output(llms, mode):
     """A pool too small for every sequence: multi-step reservations that do not fit fall back
