@@ -2,14 +2,16 @@
 
     PYTHONPATH=. python -m benchmarks.host_overhead [--quick] [--num-seqs 64,256] [--rounds N]
         [--num-scheduler-steps 1,8]
-    PYTHONPATH=. python -m benchmarks.host_overhead --num-seqs 256 --profile 20   # cProfile, nothing written
+    PYTHONPATH=. python -m benchmarks.host_overhead --num-seqs 256 --profile 20 [--profile-mode sampled]   # cProfile
 
 Model: ``tests.models.tiny_models``' random ``llama_gqa_tied`` (2 layers, hidden 64, 4 heads,
 2 KV heads, vocabulary 256), float32. Workload: N requests of 32 random prompt tokens, all
 submitted at once, each decoding exactly 64 tokens (``ignore_eos``) and returning its final
 output only (``RequestOutputKind.FINAL_ONLY``, which ``LLM.generate`` and the server's whole
-answers ask; streamed answers cost a ``RequestOutput`` per request per step more), in two modes: greedy,
-and seeded sampling (temperature 0.8, top_p 0.9, a seed per request). One engine per N, with
+answers ask; streamed answers cost a ``RequestOutput`` per request per step more), in three
+modes: greedy and seeded sampling (temperature 0.8, top_p 0.9, a seed per request), token ids
+only (``detokenize=False``), and greedy with text, as ``LLM.generate`` returns it (SmolLM2's
+tokenizer, saved beside the tiny model: :func:`write_model`). One engine per N, with
 ``max_num_seqs`` N and KV blocks for every sequence at full length (no preemption), the other
 settings the engine's defaults (async scheduling, prefix caching, 2048 tokens per step, so
 prompts are prefilled 64 at a time). ``LLMEngine.step()`` is driven directly: a first pass over
@@ -49,6 +51,7 @@ import time
 
 import numpy as np
 
+import models
 from benchmarks import provenance
 from benchmarks.gpu_report import header
 from benchmarks.timing import print_table, result_name, save_figure, save_text, time_interleaved
@@ -63,7 +66,10 @@ BLOCK_SIZE = 16
 COUNTS = {False: (64, 256, 512, 1024), True: (64, 256)}  # by --quick
 STEPS = (1, 8)  # num_scheduler_steps
 ROUNDS = {False: 3, True: 2}
-MODES = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.9)}
+MODES = {"greedy": dict(temperature=0.0, detokenize=False),
+         "sampled": dict(temperature=0.8, top_p=0.9, detokenize=False),
+         "greedy, text": dict(temperature=0.0)}
+TOKENIZER = "SmolLM2-135M-Instruct"  # the text mode's (a vocabulary of 49152: any tiny model's ids decode)
 TARGET_MS = {256: 1.5}  # ms per decode step at N, one step per dispatch
 TARGET_MULTI_STEP_MS = {256: 0.3}  # ms per generated step at N, multi-step decode
 TARGET_RATIO = (512, 256, 2.1)  # N=512 at most 2.1 times N=256
@@ -76,6 +82,14 @@ def engine_settings(count: int, output_tokens: int, num_scheduler_steps: int = 1
     blocks = count * (-(-model_len // BLOCK_SIZE) + 1) + 16
     return dict(max_model_len=model_len, max_num_seqs=count, block_size=BLOCK_SIZE, num_blocks=blocks,
                 warmup=False, seed=0, num_scheduler_steps=num_scheduler_steps)
+
+
+def write_model(directory) -> pathlib.Path:
+    """The tiny random ``MODEL`` and ``TOKENIZER`` (loaded once from the default model's GGUF,
+    saved as an HF tokenizer beside it) in ``directory``; returns it."""
+    write_checkpoint(MODEL, directory)
+    models.load_tokenizer(TOKENIZER).save_pretrained(directory)
+    return pathlib.Path(directory)
 
 
 def sampling_params(mode: str, index: int, output_tokens: int) -> SamplingParams:
@@ -327,7 +341,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rounds", type=int, default=None, help="timed passes per N and mode (after one to compile)")
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens each request decodes")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="instead: cProfile STEPS greedy decode steps of the first N and k (nothing written)")
+                        help="instead: cProfile STEPS decode steps of the first N and k (nothing written)")
+    parser.add_argument("--profile-mode", default="greedy", choices=list(MODES), help="the mode --profile runs")
     parser.add_argument("--num-scheduler-steps", default=",".join(map(str, STEPS)),
                         help="comma-separated k (decode steps per dispatch), a row each per mode and N")
     args = parser.parse_args(argv)
@@ -336,14 +351,13 @@ def main(argv: list[str] | None = None) -> str:
     rounds = args.rounds or ROUNDS[args.quick]
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
-            write_checkpoint(MODEL, folder)
-            profile(pathlib.Path(folder), counts[0], "greedy", args.profile, args.output_tokens, steps[0])
+            write_model(folder)
+            profile(pathlib.Path(folder), counts[0], args.profile_mode, args.profile, args.output_tokens, steps[0])
         return ""
     top = header("benchmarks.host_overhead", list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
-        directory = pathlib.Path(folder)
-        write_checkpoint(MODEL, directory)
+        directory = write_model(folder)
         results = [r for count in counts for k in steps
                    for r in measure(directory, count, rounds, args.output_tokens, k)]
     results.sort(key=lambda r: (r.mode, r.num_scheduler_steps, r.count))
@@ -355,7 +369,9 @@ def main(argv: list[str] | None = None) -> str:
             f"submitted at once; max_num_seqs N, KV blocks "
             f"for all, block size {BLOCK_SIZE}, prefix caching on, async scheduling on at k=1 (the defaults); k "
             f"decode steps per dispatch (`num_scheduler_steps`). "
-            f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded. `LLMEngine.step()` timed after "
+            f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded; both token ids only "
+            f"(`detokenize=False`); greedy, text: greedy with the text (`{TOKENIZER}`'s tokenizer), as "
+            f"`LLM.generate` returns it. `LLMEngine.step()` timed after "
             f"a compiling pass (whose blocks stay in the prefix cache: the timed passes evict to allocate); only "
             f"steps in which all N sequences decode, {rounds} passes per row pooled. Model alone: "
             f"`ModelRunner.run` on a greedy decode of N rows (median), one step. Host CPU: the main thread's CPU "

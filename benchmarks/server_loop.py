@@ -10,7 +10,8 @@ request's output to the request's asyncio stream after every step, and keeps a s
 server's streams ask), of which each stream sends what has text
 (``engine.entrypoints.streaming.ChoiceProgress``). This measures that loop with the same tiny
 model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,
-``host_overhead.engine_settings``), one step per dispatch.
+``host_overhead.engine_settings``), one step per dispatch, with text (``host_overhead.write_model``:
+SmolLM2's tokenizer beside the tiny model), as a server's streams have it.
 
 Per step of the engine thread in which all N sequences decode: the whole step
 (``AsyncLLMEngine._step``: the engine's step, the deliveries, the snapshot) and the engine's
@@ -32,14 +33,21 @@ import time
 import numpy as np
 
 from benchmarks.gpu_report import header
-from benchmarks.host_overhead import MODEL, OUTPUT_TOKENS, all_decode, engine_settings, random_prompts
+from benchmarks.host_overhead import (
+    MODEL,
+    OUTPUT_TOKENS,
+    TOKENIZER,
+    all_decode,
+    engine_settings,
+    random_prompts,
+    write_model,
+)
 from benchmarks.provenance import machine, revision
 from benchmarks.timing import print_table, result_name, save_text
 from engine import LLM, SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.streaming import ChoiceProgress
 from engine.sampling_params import as_deltas
-from tests.models.tiny_models import write_checkpoint
 
 COUNTS = {False: (64, 256, 512), True: (64, 256)}  # by --quick
 ROUNDS = {False: 3, True: 2}
@@ -141,12 +149,13 @@ def main(argv: list[str] | None = None) -> str:
     top = header("benchmarks.server_loop", list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="server-loop-") as folder:
-        write_checkpoint(MODEL, folder)
+        write_model(folder)
         results = [measure(pathlib.Path(folder), count, rounds, args.output_tokens) for count in counts]
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
             f"`host_overhead`'s workload ({MODEL}, float32, N prompts of 32 random tokens, {args.output_tokens} "
             f"greedy tokens each, all at once, one step per dispatch) through `AsyncLLMEngine` as the server runs "
-            f"it: stats logged, outputs streamed as deltas to N asyncio consumers that take them. Per "
+            f"it: stats logged, outputs streamed as deltas with their text (`{TOKENIZER}`'s tokenizer) to N "
+            f"asyncio consumers that take them. Per "
             f"step of the engine thread in which all N decode, {rounds} passes pooled after a compiling one. "
             f"Took {time.perf_counter() - start:.0f} s.")
     headers = ["N", "steps timed", "median ms per loop step", "p90 ms", "of it LLMEngine.step (median ms)",

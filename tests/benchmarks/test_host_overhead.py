@@ -29,8 +29,8 @@ def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
     assert (results / "host_overhead_quick.md").read_text() == text + "\n"
     assert "Command: `PYTHONPATH=. python -m benchmarks.host_overhead --quick" in text and "Machine: " in text
     rows = table_rows(text)
-    assert [tuple(row[:3]) for row in rows] == [(mode, k, n) for mode in ("greedy", "sampled") for k in ("1", "4")
-                                                for n in ("2", "4")]
+    modes = ("greedy", "greedy, text", "sampled")
+    assert [tuple(row[:3]) for row in rows] == [(mode, k, n) for mode in modes for k in ("1", "4") for n in ("2", "4")]
     for row in rows:
         # 6 tokens: the first from the prefill step, then 5 steps in which every sequence decodes
         # (k=4: a loop of 4 and a step of 1, the sequences' last token).
