@@ -129,3 +129,34 @@ def test_a_request_without_stop_strings_decodes_at_its_output_the_text_of_one_th
             texts.append("".join(pieces) if kind is RequestOutputKind.DELTA else pieces[-1])
         assert texts[0] == texts[1]
         assert texts[0].endswith(" the") == keep
+
+
+class _FailingStream:
+    """A ``DecodeStream`` that fails on its ``fail_at``-th token, as a decoder error would."""
+
+    def __init__(self, real, fail_at: int):
+        self.real, self.fail_at, self.count = real, fail_at, 0
+
+    def step(self, backend, token):
+        self.count += 1
+        if self.count == self.fail_at:
+            raise RuntimeError("a decoder error")
+        return self.real.step(backend, token)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4, 9])
+def test_a_failing_stream_hands_over_to_the_slow_decoder_with_the_same_text(sentencepiece_style, fail_at):
+    """A stream that fails part-way through a batch of tokens: the tokens before are its text,
+    the failing one and the rest are decoded the slow way, from the start, and on."""
+    tokenizer = sentencepiece_style
+    context = tokenizer.encode("once upon a")[-PROMPT_CONTEXT_TOKENS:]
+    output = np.random.default_rng(fail_at).integers(3, len(tokenizer), 10).tolist()
+    real = open_stream(tokenizer, context, skip_special_tokens=True)
+    failing, slow = SeqProgress(0, stream=_FailingStream(real, fail_at)), SeqProgress(1, stream=False)
+    for chunk in (output[:2], output[2:7], output[7:]):
+        for seq in (failing, slow):
+            seq.token_ids.extend(chunk)
+        assert decode_pending(failing, tokenizer, context, skip_special_tokens=True) == decode_pending(
+            slow, tokenizer, context, skip_special_tokens=True)
+        assert failing.decoded.text == slow.decoded.text and failing.num_decoded == len(failing.token_ids)
+    assert failing.stream is False
