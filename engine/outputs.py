@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from engine.core.records import record
 
 
@@ -30,16 +32,38 @@ class Logprob(float):
 TokenLogprobs = dict[int, Logprob]
 
 
+# Per tokenizer, each token's text alone, as decoded once: a log-probabilities entry names the
+# sampled token and its alternatives, and ``tokenizer.decode`` costs some 6 us a call.
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_namer(tokenizer):
+    """A function from a token to its text alone, ``tokenizer.decode([token])``, remembered per
+    tokenizer (a token's text alone is fixed); None for every token without a ``tokenizer``."""
+    if tokenizer is None:
+        return lambda token: None
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TOKEN_TEXTS[tokenizer] = {}
+
+    def name(token: int) -> str:
+        text = texts.get(token)
+        if text is None:
+            text = texts[token] = tokenizer.decode([token])
+        return text
+
+    return name
+
+
 def token_logprobs(tokenizer, chosen: tuple[int, float, int], top_tokens, top_logprobs) -> TokenLogprobs:
     """One step's entry: the chosen (token, log-probability, rank), then the top alternatives,
-    best first (their ranks are 1, 2, ...)."""
-    def text(token):
-        return tokenizer.decode([token]) if tokenizer is not None else None
-
+    best first (their ranks are 1, 2, ...); each token with its text alone (None without a
+    ``tokenizer``)."""
+    name = _token_namer(tokenizer)
     token, logprob, rank = chosen
-    entry = {token: Logprob(logprob, rank, text(token))}
+    entry = {token: Logprob(logprob, rank, name(token))}
     for place, (alternative, value) in enumerate(zip(top_tokens, top_logprobs), start=1):
-        entry[alternative] = Logprob(value, place, text(alternative))
+        entry[alternative] = Logprob(value, place, name(alternative))
     return entry
 
 

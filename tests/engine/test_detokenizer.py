@@ -16,6 +16,7 @@ from engine.detokenizer import (
     open_stream,
     stream_next,
 )
+from engine.outputs import token_logprobs
 from engine.request_state import RequestState, SeqProgress
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -160,3 +161,19 @@ def test_a_failing_stream_hands_over_to_the_slow_decoder_with_the_same_text(sent
             slow, tokenizer, context, skip_special_tokens=True)
         assert failing.decoded.text == slow.decoded.text and failing.num_decoded == len(failing.token_ids)
     assert failing.stream is False
+
+
+def test_log_probability_entries_name_tokens_by_their_own_tokenizer(sentencepiece_style):
+    """Each entry's tokens carry their text alone, ``tokenizer.decode([token])``, remembered per
+    tokenizer: two tokenizers that name the same ids differently each get their own names."""
+    import models
+
+    smollm2 = models.load_tokenizer("SmolLM2-135M-Instruct")
+    ids = [40, 57, 99]
+    assert [sentencepiece_style.decode([t]) for t in ids] != [smollm2.decode([t]) for t in ids]
+    for _ in range(2):  # the second time, from the remembered texts
+        for tokenizer in (sentencepiece_style, smollm2):
+            entry = token_logprobs(tokenizer, (ids[0], -0.1, 1), ids, [-0.1, -2.0, -3.0])
+            assert {t: lp.decoded_token for t, lp in entry.items()} == {t: tokenizer.decode([t]) for t in ids}
+            assert [lp.rank for lp in entry.values()] == [1, 2, 3]
+    assert all(lp.decoded_token is None for lp in token_logprobs(None, (ids[0], -0.1, 1), ids, [-0.1, -2, -3]).values())
