@@ -97,7 +97,7 @@ def dispatch(runner: ModelRunner, kv_caches, works: Sequence[ScheduledGroupWork]
         rows = tuple(Row(i, requests[work.request_id], work.seq_ids[0]) for i, work in enumerate(works))
     argmax_only = sampling_rows.argmax_suffices(list(rows))
     inputs = runner.prepare(works, range(len(works)), argmax_only=argmax_only)
-    batch = sampling_rows.batch_of(list(rows), vocab_size, pad_to=len(inputs.input_ids))
+    batch = sampling_rows.batch_of(list(rows), vocab_size, pad_to=len(inputs.input_ids), steps=num_steps)
     return _run(runner, kv_caches, works, rows, inputs, batch, num_steps, argmax_only)
 
 

@@ -73,9 +73,11 @@ def _padded(token_lists, *, when: bool, fill=-1, dtype=np.int32, min_width: int 
     return out
 
 
-def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> SamplingBatch:
+def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1, steps: int = 1) -> SamplingBatch:
     """The sampler's per-row parameters for ``rows``, padded to ``size`` rows or the next
-    power of two of their number, whichever is more.
+    power of two of their number, whichever is more. The tokens the penalties count have room
+    for as many again as the longest output has (at least ``steps``, those of a step or loop
+    dispatched ahead: :func:`next_batch`), so lookaheads rebuild them a logarithmic number of times.
 
     A top_k of the vocabulary's size or more keeps every token, so it is off; tokens outside
     the vocabulary can never be sampled, so they are not banned."""
@@ -107,7 +109,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1) -> 
         seed=column((row.request.seed for row in rows), np.uint32, 0),
         sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
         step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
-        output_tokens=_padded(outputs, when=penalties, room=1),  # room for a lookahead's token: next_batch
+        output_tokens=_padded(outputs, when=penalties, room=max(steps, max(map(len, outputs), default=0))),
         prompt_tokens=_padded(prompts, when=penalties),
         banned=_padded(banned, when=any(banned)),
         bias_tokens=_padded([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
@@ -169,10 +171,10 @@ def dispatch(logits, rows: list[Row], pad_to: int = 1) -> tuple[SamplerOutput, S
     return _sample(logits, rows, batch), batch
 
 
-def batch_of(rows: list[Row], vocab_size: int, pad_to: int = 1) -> SamplingBatch:
+def batch_of(rows: list[Row], vocab_size: int, pad_to: int = 1, steps: int = 1) -> SamplingBatch:
     """:func:`batch_for` ``rows``, with as many alternatives as the most any of them wants."""
     num_top = max((_wanted_top(row.request) for row in rows), default=0)
-    return batch_for(rows, num_top, vocab_size, size=pad_to)
+    return batch_for(rows, num_top, vocab_size, size=pad_to, steps=steps)
 
 
 def next_batch(batch: SamplingBatch, tokens, num_steps: int = 1) -> SamplingBatch | None:
@@ -181,7 +183,7 @@ def next_batch(batch: SamplingBatch, tokens, num_steps: int = 1) -> SamplingBatc
     on the device): each row's step counts them, so its random numbers are those it would draw
     after recording them, and its penalties' tokens include them (written on the device:
     :func:`~engine.worker.sampler.appended_history`). None when those have no room for them
-    (the host builds the next batch, a power of two wider)."""
+    (the host builds the next batch, wider: :func:`batch_for`)."""
     step = batch.step + np.int32(num_steps)
     if not batch.penalties:
         return batch.replace(step=step)
