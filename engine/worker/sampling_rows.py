@@ -109,7 +109,7 @@ def batch_for(rows: list[Row], num_top: int, vocab_size: int, size: int = 1, ste
         seed=column((row.request.seed for row in rows), np.uint32, 0),
         sample_index=column((row.request.sample_index(row.seq_id) for row in rows), np.int32, 0),
         step=column((len(tokens) for tokens in outputs[: len(rows)]), np.int32, 0),
-        output_tokens=_padded(outputs, when=penalties, room=max(steps, max(map(len, outputs), default=0))),
+        output_tokens=_padded(outputs, when=penalties, room=max(steps, max(map(len, outputs))) if penalties else 0),
         prompt_tokens=_padded(prompts, when=penalties),
         banned=_padded(banned, when=any(banned)),
         bias_tokens=_padded([tokens for tokens, _ in biases], when=biased, min_width=_MIN_BIAS_WIDTH),
