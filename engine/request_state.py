@@ -122,8 +122,7 @@ class RequestState:
         token is recorded: it has text and nothing reads it as it grows (no stop strings, no
         constraint, which can end a sequence before its token's text); not beam search."""
         params = self.params
-        return (not self.is_beam_search and params.detokenize and not params.stop
-                and params.guided_decoding is None)
+        return not self.is_beam_search and params.detokenize and not params.stop and params.guided_decoding is None
 
     @functools.cached_property
     def steered_by_each_token(self) -> bool:
@@ -255,19 +254,16 @@ class RequestState:
         return len(tokens), (None, None)
 
     def _decode_pending(self, seq: SeqProgress, tokenizer) -> int:
-        """Decode ``seq``'s tokens not yet in its text (:func:`engine.detokenizer.decode_pending`);
-        the characters the last one added."""
+        """:func:`engine.detokenizer.decode_pending` for ``seq``: the characters its last token added."""
         return decode_pending(seq, tokenizer, self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:],
                               skip_special_tokens=self.params.skip_special_tokens)
 
     def _decode_deferred(self, tokenizer) -> None:
-        """Bring the text of each sequence (:attr:`defers_text`) up to its tokens, leaving out
-        the stop token's text as :meth:`_stop_reason` does when a sequence stopped on one."""
+        """Bring each sequence's text (:attr:`defers_text`) up to its tokens, as :meth:`record` makes it."""
         for seq in self.seqs.values():
             new_chars = self._decode_pending(seq, tokenizer)
-            if (new_chars and seq.finish_reason == "stop" and not self.params.include_stop_str_in_output
-                    and len(seq.token_ids) >= self.params.min_tokens and seq.token_ids[-1] in self.stop_token_set):
-                self._cut_text(seq, len(seq.decoded.text) - new_chars)
+            if seq.finish_reason == "stop":
+                self._ends_on_stop_token(seq, seq.token_ids[-1], new_chars)
 
     def _follow_constraint(self, seq: SeqProgress, token: int) -> bool:
         """Advance ``seq``'s constraint by ``token``; True (the request ends with an error) if
@@ -285,22 +281,28 @@ class RequestState:
         or a stop string, whose text is cut unless ``include_stop_str_in_output``. A constraint
         that allows nothing more (a complete JSON value, the end of a choice) ends it too."""
         params = self.params
-        if len(seq.token_ids) >= params.min_tokens:
-            keep = params.include_stop_str_in_output
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-                if new_chars and not keep:
-                    self._cut_text(seq, len(seq.decoded.text) - new_chars)
-                return "stop", None if token in self.eos_token_ids and not params.ignore_eos else token
-            found = find_stop(seq.decoded.text, params.stop, new_chars) if params.stop else None
+        if self._ends_on_stop_token(seq, token, new_chars):
+            return "stop", None if token in self.eos_token_ids and not params.ignore_eos else token
+        if len(seq.token_ids) >= params.min_tokens and params.stop:
+            found = find_stop(seq.decoded.text, params.stop, new_chars)
             if found is not None:
                 index, stop = found
-                self._cut_text(seq, index + len(stop) if keep else index)
+                self._cut_text(seq, index + len(stop) if params.include_stop_str_in_output else index)
                 return "stop", stop
         if seq.matcher is not None and seq.matcher.is_stopped():
             return "stop", None
         if len(seq.token_ids) >= self.max_tokens:
             return "length", None
         return None, None
+
+    def _ends_on_stop_token(self, seq: SeqProgress, token: int, new_chars: int) -> bool:
+        """Whether ``token`` (``seq``'s last, adding ``new_chars`` to its text) ends it as EOS or a
+        stop token, ``min_tokens`` reached; then its text is cut unless ``include_stop_str_in_output``."""
+        if len(seq.token_ids) < self.params.min_tokens or token not in self.stop_token_set:
+            return False
+        if new_chars and not self.params.include_stop_str_in_output:
+            self._cut_text(seq, len(seq.decoded.text) - new_chars)
+        return True
 
     @staticmethod
     def _cut_text(seq: SeqProgress, end: int) -> None:
