@@ -1,6 +1,7 @@
 """The server's engine loop per decode step: ``host_overhead``'s workload, streamed.
 
     PYTHONPATH=. python -m benchmarks.server_loop [--quick] [--num-seqs 64,256] [--rounds N]
+        [--stream-interval 1,8]
 
 ``benchmarks.host_overhead`` drives ``LLMEngine.step()`` and asks for final outputs only, as
 ``LLM.generate`` does. A server (``python -m engine.serve``) runs the same engine differently:
@@ -14,9 +15,13 @@ model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all su
 SmolLM2's tokenizer beside the tiny model), as a server's streams have it.
 
 Per step of the engine thread in which all N sequences decode: the whole step
-(``AsyncLLMEngine._step``: the engine's step, the deliveries, the snapshot) and the engine's
-step alone inside it, medians over ``rounds`` passes after a compiling one. The consumers run
-on the main thread's event loop meanwhile, as a server's handlers do: they share the GIL.
+(``AsyncLLMEngine._step``: the engine's step, the deliveries, the snapshot; median, mean and
+90th percentile) and the engine's step alone inside it (median), over ``rounds`` passes after a
+compiling one. The consumers run on the main thread's event loop meanwhile, as a server's
+handlers do: they share the GIL. Each N runs once per ``--stream-interval`` (the engine's
+``stream_interval``, the server's ``--stream-interval``: after its first token, a stream's
+output every that many tokens): with more than 1, most steps build and deliver no output, and
+the mean shows what they cost together.
 """
 
 from __future__ import annotations
@@ -109,18 +114,20 @@ def run_pass(loop: TimedLoop, prompts: list[list[int]], output_tokens: int) -> N
 
 @dataclasses.dataclass(frozen=True)
 class Result:
+    interval: int
     count: int
     whole: list[float]
     inner: list[float]
 
     def row(self) -> list:
         whole, inner = np.median(self.whole) * 1e3, np.median(self.inner) * 1e3
-        return [self.count, len(self.whole), f"{whole:.2f}", f"{np.percentile(self.whole, 90) * 1e3:.2f}",
-                f"{inner:.2f}", f"{whole - inner:.2f}"]
+        return [self.interval, self.count, len(self.whole), f"{whole:.2f}", f"{np.mean(self.whole) * 1e3:.2f}",
+                f"{np.percentile(self.whole, 90) * 1e3:.2f}", f"{inner:.2f}", f"{whole - inner:.2f}"]
 
 
-def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int) -> Result:
-    llm = LLM(str(directory), **engine_settings(count, output_tokens), disable_log_stats=False)
+def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int, interval: int = 1) -> Result:
+    llm = LLM(str(directory), **engine_settings(count, output_tokens), disable_log_stats=False,
+              stream_interval=interval)
     loop = TimedLoop(llm.engine, count)
     try:
         vocab_size, seeds = llm.engine.model_config.vocab_size, itertools.count(1)
@@ -132,8 +139,8 @@ def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int
         loop.shutdown()
     if not loop.whole:
         raise RuntimeError(f"N={count}: no step in which every sequence decoded")
-    result = Result(count, list(loop.whole), list(loop.inner))
-    print(f"N={count}: {result.row()}", flush=True)
+    result = Result(interval, count, list(loop.whole), list(loop.inner))
+    print(f"stream interval {interval}, N={count}: {result.row()}", flush=True)
     return result
 
 
@@ -143,23 +150,28 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--num-seqs", default=None, help="comma-separated N")
     parser.add_argument("--rounds", type=int, default=None, help="timed passes per N (after one to compile)")
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens each request decodes")
+    parser.add_argument("--stream-interval", default="1,8", help="comma-separated stream intervals")
     args = parser.parse_args(argv)
+    intervals = [int(k) for k in args.stream_interval.split(",")]
     counts = [int(n) for n in args.num_seqs.split(",")] if args.num_seqs else list(COUNTS[args.quick])
     rounds = args.rounds or ROUNDS[args.quick]
     top = header("benchmarks.server_loop", list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="server-loop-") as folder:
         write_model(folder)
-        results = [measure(pathlib.Path(folder), count, rounds, args.output_tokens) for count in counts]
+        results = [measure(pathlib.Path(folder), count, rounds, args.output_tokens, interval)
+                   for interval in intervals for count in counts]
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
             f"`host_overhead`'s workload ({MODEL}, float32, N prompts of 32 random tokens, {args.output_tokens} "
             f"greedy tokens each, all at once, one step per dispatch) through `AsyncLLMEngine` as the server runs "
             f"it: stats logged, outputs streamed as deltas with their text (`{TOKENIZER}`'s tokenizer) to N "
             f"asyncio consumers that take them. Per "
             f"step of the engine thread in which all N decode, {rounds} passes pooled after a compiling one. "
+            f"Stream interval: after its first token, a stream's output every that many tokens "
+            f"(`--stream-interval`). "
             f"Took {time.perf_counter() - start:.0f} s.")
-    headers = ["N", "steps timed", "median ms per loop step", "p90 ms", "of it LLMEngine.step (median ms)",
-               "deliveries and snapshot (ms)"]
+    headers = ["stream interval", "N", "steps timed", "median ms per loop step", "mean ms", "p90 ms",
+               "of it LLMEngine.step (median ms)", "deliveries and snapshot (ms)"]
     text = "\n\n".join([top, note, print_table(headers, [r.row() for r in results])])
     print(f"wrote {save_text(text, result_name('server_loop', args.quick))}")
     return text

@@ -46,6 +46,9 @@ class EngineConfig:
     host, where that cannot change what is generated (see ``engine.async_scheduling``).
     ``num_scheduler_steps`` > 1 runs that many decode steps in one dispatch, sampling on the
     device, whenever a step would only decode (see ``engine.multi_step``).
+    ``stream_interval``: a streamed request (``output_kind`` cumulative or delta) gets its first
+    token's output at once, then an output each time its longest sequence has grown by that
+    many tokens, and its last when it ends (vLLM's): fewer outputs to build and deliver per step.
     ``generation_config``: "auto" takes the sampling defaults of the checkpoint's
     ``generation_config.json`` (``LLMEngine.default_sampling``; vLLM's), "vllm" ignores them.
     ``tokenizer``: another tokenizer (directory, hub ID or GGUF) than the model's.
@@ -77,6 +80,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
+    stream_interval: int = 1
     generation_config: str = "auto"
     tokenizer: str | None = None
     trust_remote_code: bool = False
@@ -87,7 +91,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for field in ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                      "max_model_len", "seed", "tensor_parallel_size", "num_scheduler_steps", "max_logprobs"):
+                      "max_model_len", "seed", "tensor_parallel_size", "num_scheduler_steps", "stream_interval",
+                      "max_logprobs"):
             value = getattr(self, field)  # NumPy integers are integers too
             if _integer(value) and type(value) is not int:
                 object.__setattr__(self, field, int(value))
@@ -123,6 +128,8 @@ class EngineConfig:
             (isinstance(self.async_scheduling, bool), "async_scheduling", "True or False", self.async_scheduling),
             (_at_least(self.num_scheduler_steps, 1), "num_scheduler_steps", "an integer >= 1 (1: a step per dispatch)",
              self.num_scheduler_steps),
+            (_at_least(self.stream_interval, 1), "stream_interval",
+             "an integer >= 1 (1: an output per token; more: one per that many tokens)", self.stream_interval),
             (self.tokenizer is None or isinstance(self.tokenizer, str), "tokenizer",
              "None (the model's) or a directory, hub ID or .gguf file", self.tokenizer),
             (isinstance(self.trust_remote_code, bool), "trust_remote_code", "True or False", self.trust_remote_code),

@@ -90,7 +90,7 @@ class LLMEngine:
         self.state = scheduler.initial_state(self.scheduler_config)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
-        self._output_processor = OutputProcessor(self.tokenizer, self.counters)
+        self._output_processor = OutputProcessor(self.tokenizer, self.counters, config.stream_interval)
         self._stats_logger = None if config.disable_log_stats else stats_logger.StatsLogger(config.log_stats_interval)
         self._lookahead: async_scheduling.Lookahead | None = None
         # Neither under a mesh (untested there).

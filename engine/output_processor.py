@@ -25,11 +25,13 @@ _FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINI
 
 class OutputProcessor:
     """Records sampled tokens into ``RequestState``s, with ``tokenizer`` (None: no text); counts
-    the tokens it records in ``counters.generation_tokens`` (the engine's ``EngineCounters``)."""
+    the tokens it records in ``counters.generation_tokens`` (the engine's ``EngineCounters``).
+    A streamed request's outputs go out every ``stream_interval`` tokens (``EngineConfig``'s)."""
 
-    def __init__(self, tokenizer, counters):
+    def __init__(self, tokenizer, counters, stream_interval: int = 1):
         self.tokenizer = tokenizer
         self.counters = counters
+        self.stream_interval = stream_interval
         self._plain: tuple[tuple, plain_rows.PlainRows | None] = ((), None)  # the last rows, and their columns
 
     def record(self, rows, sampled, requests: dict[str, RequestState], next_child: int, touched) -> list:
@@ -184,7 +186,8 @@ class OutputProcessor:
     def collect(self, finished, requests: dict[str, RequestState], touched: dict[str, RequestState]
                 ) -> list[RequestOutput]:
         """Outputs of the changed requests (of those with ``output_kind`` FINAL_ONLY, only the
-        finished), with the scheduler's ``finished`` groups; finished ones leave ``requests``."""
+        finished; of streamed ones, the finished and those :meth:`_stream_due`), with the
+        scheduler's ``finished`` groups; finished ones leave ``requests``."""
         for group in finished:
             request = requests.get(group.request_id)
             if request is None:
@@ -197,8 +200,17 @@ class OutputProcessor:
         outputs = []
         for request_id, request in touched.items():
             finished = request.finished
-            if finished or request.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if finished or (request.output_kind is not RequestOutputKind.FINAL_ONLY and self._stream_due(request)):
                 outputs.append(request.output(self.tokenizer))
             if finished:
                 requests.pop(request_id, None)
         return outputs
+
+    def _stream_due(self, request: RequestState) -> bool:
+        """Whether a running request's streamed output goes out now: its first at once (the
+        first token's latency is what a user waits on), then each time its longest sequence has
+        grown by ``stream_interval`` tokens (vLLM's rule). The text of the tokens in between is
+        decoded when the output is built."""
+        if self.stream_interval == 1 or request.output_at is None:
+            return True
+        return request.longest_output - request.output_at >= self.stream_interval

@@ -71,7 +71,7 @@ class RequestState:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when first scheduled
     # RequestOutputKind.DELTA: per completion index, (tokens, characters, finished) returned so far
     delivered: dict[int, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)
-    has_output: bool = False  # an output went out (DELTA returns prompt_logprobs with the first only)
+    output_at: int | None = None  # :attr:`longest_output` at the latest output (None: none went out)
 
     @classmethod
     def admitted(cls, request_id: str, prompt, token_ids: tuple[int, ...], params, *, seed: int, max_tokens: int,
@@ -134,17 +134,15 @@ class RequestState:
     @functools.cached_property
     def sampling_is_static(self) -> bool:
         """Whether the sampler's inputs for a sequence's next token depend on the token before
-        it, once ``min_tokens`` is reached, only as the device can carry on without the host:
-        the step (its random stream) and the penalties' counts
-        (``sampling_rows.next_batch``); not with bad words or a constraint (they follow it), nor
-        in beam search (the host chooses the beams)."""
+        it, once ``min_tokens`` is reached, only as the device carries on without the host: the
+        step (its random stream) and the penalties' counts (``sampling_rows.next_batch``); not
+        with bad words or a constraint (they follow it), nor in beam search (the host chooses)."""
         return not self.is_beam_search and not self.steered_by_each_token
 
     @functools.cached_property
     def static_sampling_from(self) -> int:
         """Generated tokens from which a sequence's sampling no longer depends on the token
-        before (:func:`engine.async_scheduling.sampling_is_static`): ``min_tokens``, or a
-        count no sequence reaches when :attr:`sampling_is_static` is False."""
+        before: ``min_tokens``, or a count no sequence reaches unless :attr:`sampling_is_static`."""
         return self.params.min_tokens if self.sampling_is_static else np.iinfo(np.int64).max
 
     @functools.cached_property
@@ -160,10 +158,12 @@ class RequestState:
             return True
         if self.is_beam_search:
             return self.beams is not None and self.beams.done
-        for seq in self.seqs.values():
-            if seq.finish_reason is None:
-                return False
-        return bool(self.seqs)
+        return bool(self.seqs) and all(seq.finish_reason is not None for seq in self.seqs.values())
+
+    @property
+    def longest_output(self) -> int:
+        """Tokens of the longest sequence (0 for beam search, whose beams hold their own)."""
+        return max(len(seq.token_ids) for seq in self.seqs.values()) if self.seqs else 0
 
     def generated(self, seq_id: int) -> list[int]:
         """Tokens sequence ``seq_id`` has produced (beams are tracked by the beam search instead)."""
@@ -336,9 +336,9 @@ class RequestState:
         prompt_logprobs = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
         if len(completions) > 1:
             completions.sort(key=_INDEX)
-        if self.output_kind is RequestOutputKind.DELTA:
-            prompt_logprobs = None if self.has_output else prompt_logprobs
-        self.has_output = True
+        if self.output_kind is RequestOutputKind.DELTA and self.output_at is not None:
+            prompt_logprobs = None  # DELTA returns them with the first output only
+        self.output_at = self.longest_output
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(completions), finished,
                              prompt_logprobs, self.error,
                              RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),

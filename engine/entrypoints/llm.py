@@ -65,8 +65,11 @@ class LLM:
     dispatch a decode step before the previous one's tokens reach the host, where that cannot
     change the output (see ``engine.async_scheduling``). num_scheduler_steps: decode steps per
     dispatch when a step only decodes, sampled on the device (vLLM's multi-step scheduling; the
-    same outputs as 1, see ``engine.multi_step``). generation_config: "auto" (vLLM's default)
-    takes the sampling defaults of the checkpoint's ``generation_config.json``
+    same outputs as 1, see ``engine.multi_step``). stream_interval: a streamed request's outputs
+    (``output_kind`` cumulative or delta, as ``AsyncLLMEngine`` streams them) after its first,
+    one per that many tokens (and its last); ``generate`` returns final outputs either way.
+    generation_config: "auto" (vLLM's default) takes the sampling defaults of the checkpoint's
+    ``generation_config.json``
     (:meth:`get_default_sampling_params`, what ``generate`` and ``chat`` use without
     parameters); "vllm" ignores them. tokenizer: another tokenizer than the model's (a
     directory, hub ID or .gguf file). trust_remote_code: accepted; no remote code runs either
@@ -86,7 +89,8 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, reservation: str = "paged", seed: int = 0,
                  policy: str = "fcfs", warmup: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = True, num_scheduler_steps: int = 1, generation_config: str = "auto",
+                 async_scheduling: bool = True, num_scheduler_steps: int = 1, stream_interval: int = 1,
+                 generation_config: str = "auto",
                  tokenizer: str | None = None, trust_remote_code: bool = False, enforce_eager: bool = False,
                  disable_log_stats: bool = True, max_logprobs: int = 20):
         config = EngineConfig(
@@ -97,7 +101,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
             reservation=reservation, seed=seed, policy=policy, warmup=warmup,
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-            num_scheduler_steps=num_scheduler_steps, generation_config=generation_config, tokenizer=tokenizer,
+            num_scheduler_steps=num_scheduler_steps, stream_interval=stream_interval,
+            generation_config=generation_config, tokenizer=tokenizer,
             trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, disable_log_stats=disable_log_stats,
             max_logprobs=max_logprobs)
         self.engine = LLMEngine(config)

@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-scheduler-steps", type=int, default=1,
         help="decode steps per dispatch when a step only decodes, sampled on the device (same output; "
              "fewer host round trips, new requests wait up to that many steps)")
+    add("--stream-interval", type=int, default=1,
+        help="after a stream's first token, send its text every this many tokens (and at its end): "
+             "fewer, larger chunks, less work per step with many streams (default 1: every token)")
     add("--enforce-eager", action="store_true", help="skip compiling every step shape at start (each "
         "compiles when first needed); vLLM's switch off CUDA graphs")
     add("--disable-log-stats", action="store_true", help="no throughput and cache log line every 10 s")
@@ -226,7 +229,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-        num_scheduler_steps=args.num_scheduler_steps, generation_config=args.generation_config,
+        num_scheduler_steps=args.num_scheduler_steps, stream_interval=args.stream_interval,
+        generation_config=args.generation_config,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, enforce_eager=args.enforce_eager,
         disable_log_stats=args.disable_log_stats, max_logprobs=args.max_logprobs)
 
