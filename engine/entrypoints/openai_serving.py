@@ -3,7 +3,6 @@ server-sent-event chunks out. Protocol only; the HTTP plumbing lives in ``engine
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import time
@@ -12,11 +11,12 @@ from collections.abc import AsyncIterator
 import jinja2
 
 from engine.core.scheduler import InvalidRequestError
+from engine.entrypoints import request_outputs
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError, response_id
 from engine.entrypoints.streaming import ChoiceProgress, chunk_writer, ending_with_errors, includes_usage
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams, as_deltas, final_only
+from engine.sampling_params import BeamSearchParams, SamplingParams, as_deltas
 
 
 class OpenAIServing:
@@ -108,7 +108,8 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         model, plans = self.plan_completion(request)
-        finals = await self._finals(plans, "cmpl", functools.partial(_shown, request=request))
+        finals = await request_outputs.finals(self.engine, plans, "cmpl", self.on_finished,
+                                              functools.partial(_shown, request=request))
         choices = []
         for prompt_index, (ids, _), output in zip(range(len(plans)), plans, finals):
             for c in output.outputs:
@@ -135,7 +136,8 @@ class OpenAIServing:
         sent: dict[tuple[int, int], ChoiceProgress] = {}
         first_outputs = {}  # per prompt: the one with the prompt's logprobs (later deltas have none)
         streamed = [(ids, as_deltas(params)) for ids, params in plans]
-        async for prompt_index, output in self._merged(streamed, "cmpl", functools.partial(_shown, request=request)):
+        async for prompt_index, output in request_outputs.merged(self.engine, streamed, "cmpl", self.on_finished,
+                                                                   functools.partial(_shown, request=request)):
             first_outputs.setdefault(prompt_index, output)
             for c in output.outputs:
                 key = (prompt_index, c.index)
@@ -195,7 +197,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatRequest) -> dict:
         model, plans = self.plan_chat(request)
-        (output,) = await self._finals(plans, "chatcmpl")
+        (output,) = await request_outputs.finals(self.engine, plans, "chatcmpl", self.on_finished)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, request.top_logprobs) if request.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
@@ -213,7 +215,8 @@ class OpenAIServing:
         chunk = chunk_writer(response_id("chatcmpl", request.request_id), "chat.completion.chunk", model,
                              includes_usage(request))
         sent: dict[int, ChoiceProgress] = {}
-        async for _, output in self._merged([(ids, as_deltas(params)) for ids, params in plans], "chatcmpl"):
+        async for _, output in request_outputs.merged(self.engine, [(ids, as_deltas(params)) for ids, params in plans],
+                                                      "chatcmpl", self.on_finished):
             for c in output.outputs:
                 if c.index not in sent:
                     sent[c.index] = ChoiceProgress()
@@ -232,57 +235,6 @@ class OpenAIServing:
         if includes_usage(request):
             yield chunk([], _usage(plans, sum(progress.tokens for progress in sent.values())))
         yield "data: [DONE]\n\n"
-
-    # -- running requests -------------------------------------------------------------------
-
-    async def _merged(self, plans, prefix: str, shown=None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every planned request as they come, tagged with the plan's index, as
-        ``shown(output)`` presents them (to the client and to the metrics) if given.
-        Closing this iterator aborts every request still running."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index, ids, params):
-            choices: dict[int, tuple[int, str | None]] = {}  # (tokens, finish reason) of each, over all outputs
-            try:
-                async for output in self.engine.generate(ids, params, response_id(prefix)):
-                    output = shown(output) if shown is not None else output
-                    for c in output.outputs:  # outputs that are deltas add up; a final one is the whole
-                        choices[c.index] = (choices.get(c.index, (0, None))[0] + len(c.token_ids), c.finish_reason)
-                    await queue.put((index, output))
-                    if output.finished:
-                        self.on_finished(output, [choices[i] for i in sorted(choices)])
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # hand the failure to the consumer
-                await queue.put((index, error))
-
-        tasks = [asyncio.create_task(pump(i, ids, params)) for i, (ids, params) in enumerate(plans)]
-        try:
-            done = 0
-            while done < len(plans):
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    if isinstance(item, InvalidRequestError):
-                        raise RequestError(str(item)) from None
-                    raise item
-                if item.error is not None:  # refused, or stopped part-way (outgrew the KV cache)
-                    raise RequestError(item.error)
-                done += item.finished
-                yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _finals(self, plans, prefix: str, shown=None) -> list[RequestOutput]:
-        """The final output of every planned request (a response that is not streamed): the
-        engine builds no other (``RequestOutputKind.FINAL_ONLY``)."""
-        plans = [(ids, final_only(params)) for ids, params in plans]
-        finals: dict[int, RequestOutput] = {}
-        async for index, output in self._merged(plans, prefix, shown):
-            if output.finished:
-                finals[index] = output
-        return [finals[i] for i in range(len(plans))]
 
     # -- formatting -------------------------------------------------------------------------
 

@@ -79,3 +79,41 @@ def test_what_the_cache_can_never_hold_is_refused_streamed_or_not(tmp_path):
         assert json.loads(error.removeprefix("data: "))["error"]["code"] == 400 and done == "data: [DONE]\n\n"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_a_stream_closed_early_aborts_its_requests_and_frees_their_blocks(tmp_path, num_prompts):
+    """A client that disconnects mid-stream: the server closes the stream's iterator, which
+    aborts every request behind it (one prompt is read straight from its stream, several
+    through a task each), and their blocks are freed while the engine keeps serving."""
+    llm, _ = tiny_llm("llama_gqa_tied", tmp_path, tokenizer="SmolLM2-135M-Instruct", generation_config="vllm")
+    engine = AsyncLLMEngine(llm.engine)
+    serving = OpenAIServing(engine, ["tiny"])
+    prompt = list(range(40, 60))
+    request = dict(prompt=[prompt] * num_prompts if num_prompts > 1 else prompt, n=2, max_tokens=100,
+                   ignore_eos=True, temperature=1.0, seed=1)
+
+    async def close_after_two_chunks():
+        """Two chunks, then the stream closed; the scheduler's stats and the tokens generated
+        once the engine has no request left (within 10 s), the event loop still running, as a
+        server's does."""
+        before = engine.snapshot.generation_tokens
+        events = serving.completion_stream(CompletionRequest(**request, stream=True))
+        chunks = [await anext(events), await anext(events)]
+        await events.aclose()
+        for _ in range(200):
+            stats = engine.snapshot.scheduler
+            if stats.num_running == stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        return chunks, stats, engine.snapshot.generation_tokens - before
+
+    try:
+        chunks, stats, generated = asyncio.run(close_after_two_chunks())
+        assert all(chunk.startswith("data: {") for chunk in chunks)
+        assert stats.num_running == stats.num_waiting == 0 and stats.blocks.device_blocks_used == 0
+        assert generated < num_prompts * 2 * 100 / 2  # stopped early, not run to their end
+        after = asyncio.run(serving.completion(CompletionRequest(prompt=prompt, max_tokens=3, temperature=0)))
+        assert after["usage"]["completion_tokens"] == 3
+    finally:
+        engine.shutdown()
