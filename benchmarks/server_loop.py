@@ -7,9 +7,9 @@
 ``LLM.generate`` does. A server (``python -m engine.serve``) runs the same engine differently:
 ``AsyncLLMEngine``'s thread steps it, logs its stats (the server's default), hands every
 request's output to the request's asyncio stream after every step, and keeps a snapshot for
-``/metrics``; the requests stream their outputs as deltas (``RequestOutputKind.DELTA``, as the
-server's streams ask), of which each stream sends what has text
-(``engine.entrypoints.streaming.ChoiceProgress``). This measures that loop with the same tiny
+``/metrics``; each request's handler turns its outputs (deltas, ``RequestOutputKind.DELTA``)
+into the server-sent events of an OpenAI completion stream
+(``OpenAIServing.completion_stream``, with ``stream_options.include_usage``). This measures that loop with the same tiny
 model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,
 ``host_overhead.engine_settings``), one step per dispatch, with text (``host_overhead.write_model``:
 SmolLM2's tokenizer beside the tiny model), as a server's streams have it.
@@ -17,11 +17,11 @@ SmolLM2's tokenizer beside the tiny model), as a server's streams have it.
 Per step of the engine thread in which all N sequences decode: the whole step
 (``AsyncLLMEngine._step``: the engine's step, the deliveries, the snapshot; median, mean and
 90th percentile) and the engine's step alone inside it (median), over ``rounds`` passes after a
-compiling one. The consumers run on the main thread's event loop meanwhile, as a server's
-handlers do: they share the GIL. Each N runs once per ``--stream-interval`` (the engine's
-``stream_interval``, the server's ``--stream-interval``: after its first token, a stream's
-output every that many tokens): with more than 1, most steps build and deliver no output, and
-the mean shows what they cost together.
+compiling one. The handlers run on the main thread's event loop meanwhile, as a server's
+do: they share the GIL. The HTTP layer (the sockets) is left out. Each N runs once per
+``--stream-interval`` (the engine's ``stream_interval``, the server's ``--stream-interval``:
+after its first token, a stream's output every that many tokens): with more than 1, most
+steps build and deliver no output, and the mean shows what they cost together.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import json
 import pathlib
 import sys
 import tempfile
@@ -49,10 +50,10 @@ from benchmarks.host_overhead import (
 )
 from benchmarks.provenance import machine, revision
 from benchmarks.timing import print_table, result_name, save_text
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.entrypoints.async_engine import AsyncLLMEngine
-from engine.entrypoints.streaming import ChoiceProgress
-from engine.sampling_params import as_deltas
+from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.protocol import CompletionRequest
 
 COUNTS = {False: (64, 256, 512), True: (64, 256)}  # by --quick
 ROUNDS = {False: 3, True: 2}
@@ -89,23 +90,18 @@ class TimedLoop(AsyncLLMEngine):
             self.inner.append(inner[0])
 
 
-_ids = itertools.count()
+async def _stream(serving: OpenAIServing, prompt: list[int], output_tokens: int) -> int:
+    """Stream one completion as the server does, its events taken; the tokens its usage reports."""
+    request = CompletionRequest(prompt=prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True,
+                                stream=True, stream_options={"include_usage": True})
+    events = [event async for event in serving.completion_stream(request)]
+    return json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"]
 
 
-async def _stream(loop: TimedLoop, prompt: list[int], output_tokens: int) -> int:
-    """Stream one request as the server does; the number of tokens it got."""
-    progress = ChoiceProgress()
-    params = as_deltas(SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True))
-    async for output in loop.generate(prompt, params, f"served-{next(_ids)}"):
-        for choice in output.outputs:
-            progress.sent(progress.take(choice))
-    return progress.tokens
-
-
-def run_pass(loop: TimedLoop, prompts: list[list[int]], output_tokens: int) -> None:
+def run_pass(serving: OpenAIServing, prompts: list[list[int]], output_tokens: int) -> None:
     """Every prompt streamed at once until all finish."""
     async def main():
-        return await asyncio.gather(*(_stream(loop, prompt, output_tokens) for prompt in prompts))
+        return await asyncio.gather(*(_stream(serving, prompt, output_tokens) for prompt in prompts))
 
     got = asyncio.run(main())
     if any(n != output_tokens for n in got):
@@ -129,12 +125,13 @@ def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int
     llm = LLM(str(directory), **engine_settings(count, output_tokens), disable_log_stats=False,
               stream_interval=interval)
     loop = TimedLoop(llm.engine, count)
+    serving = OpenAIServing(loop, [MODEL])
     try:
         vocab_size, seeds = llm.engine.model_config.vocab_size, itertools.count(1)
-        run_pass(loop, random_prompts(count, vocab_size, next(seeds)), output_tokens)  # compiles
+        run_pass(serving, random_prompts(count, vocab_size, next(seeds)), output_tokens)  # compiles
         loop.recording = True  # (the compiling pass's last step may still be ending: it is not timed)
         for _ in range(rounds):
-            run_pass(loop, random_prompts(count, vocab_size, next(seeds)), output_tokens)
+            run_pass(serving, random_prompts(count, vocab_size, next(seeds)), output_tokens)
     finally:
         loop.shutdown()
     if not loop.whole:
@@ -165,7 +162,8 @@ def main(argv: list[str] | None = None) -> str:
             f"`host_overhead`'s workload ({MODEL}, float32, N prompts of 32 random tokens, {args.output_tokens} "
             f"greedy tokens each, all at once, one step per dispatch) through `AsyncLLMEngine` as the server runs "
             f"it: stats logged, outputs streamed as deltas with their text (`{TOKENIZER}`'s tokenizer) to N "
-            f"asyncio consumers that take them. Per "
+            f"handlers on an asyncio loop that make them OpenAI completion chunks "
+            f"(`OpenAIServing.completion_stream`, no sockets). Per "
             f"step of the engine thread in which all N decode, {rounds} passes pooled after a compiling one. "
             f"Stream interval: after its first token, a stream's output every that many tokens "
             f"(`--stream-interval`). "
