@@ -201,7 +201,7 @@ class OutputProcessor:
         for request_id, request in touched.items():
             finished = request.finished
             if finished or (request.output_kind is not RequestOutputKind.FINAL_ONLY and self._stream_due(request)):
-                outputs.append(request.output(self.tokenizer))
+                outputs.append(request.output(self.tokenizer, finished))
             if finished:
                 requests.pop(request_id, None)
         return outputs
@@ -211,6 +211,10 @@ class OutputProcessor:
         first token's latency is what a user waits on), then each time its longest sequence has
         grown by ``stream_interval`` tokens (vLLM's rule). The text of the tokens in between is
         decoded when the output is built."""
-        if self.stream_interval == 1 or request.output_at is None:
+        if self.stream_interval == 1:
             return True
-        return request.longest_output - request.output_at >= self.stream_interval
+        longest = max((len(seq.token_ids) for seq in request.seqs.values()), default=0)  # (beams: 0)
+        if request.output_at is not None and longest - request.output_at < self.stream_interval:
+            return False
+        request.output_at = longest
+        return True

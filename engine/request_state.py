@@ -71,7 +71,8 @@ class RequestState:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when first scheduled
     # RequestOutputKind.DELTA: per completion index, (tokens, characters, finished) returned so far
     delivered: dict[int, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)
-    output_at: int | None = None  # :attr:`longest_output` at the latest output (None: none went out)
+    has_output: bool = False  # an output went out (DELTA returns prompt_logprobs with the first only)
+    output_at: int | None = None  # its longest sequence's tokens at its latest output (stream_interval)
 
     @classmethod
     def admitted(cls, request_id: str, prompt, token_ids: tuple[int, ...], params, *, seed: int, max_tokens: int,
@@ -158,12 +159,10 @@ class RequestState:
             return True
         if self.is_beam_search:
             return self.beams is not None and self.beams.done
-        return bool(self.seqs) and all(seq.finish_reason is not None for seq in self.seqs.values())
-
-    @property
-    def longest_output(self) -> int:
-        """Tokens of the longest sequence (0 for beam search, whose beams hold their own)."""
-        return max(len(seq.token_ids) for seq in self.seqs.values()) if self.seqs else 0
+        for seq in self.seqs.values():
+            if seq.finish_reason is None:
+                return False
+        return bool(self.seqs)
 
     def generated(self, seq_id: int) -> list[int]:
         """Tokens sequence ``seq_id`` has produced (beams are tracked by the beam search instead)."""
@@ -314,11 +313,11 @@ class RequestState:
         string (they might still turn out to start one)."""
         return 0 if self.is_beam_search or not self.params.stop else max(map(len, self.params.stop)) - 1
 
-    def output(self, tokenizer=None) -> RequestOutput:
+    def output(self, tokenizer=None, finished: bool | None = None) -> RequestOutput:
         """A snapshot for the user: the ``n`` best of ``best_of`` once finished, all while running.
-        ``tokenizer`` decodes the texts of finished beams. (A streamed request makes one per
-        step: the common case, one sequence, takes no sorting.)"""
-        finished = self.finished
+        ``tokenizer`` decodes the texts; ``finished``: :attr:`finished`, if the caller has it.
+        (A streamed request makes one per step: the common case, one sequence, takes no sorting.)"""
+        finished = self.finished if finished is None else finished
         best_of = not self.is_beam_search and finished and self.params.num_candidates > self.params.n
         if self.defers_text and tokenizer is not None:
             self._decode_deferred(tokenizer)
@@ -336,9 +335,9 @@ class RequestState:
         prompt_logprobs = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
         if len(completions) > 1:
             completions.sort(key=_INDEX)
-        if self.output_kind is RequestOutputKind.DELTA and self.output_at is not None:
-            prompt_logprobs = None  # DELTA returns them with the first output only
-        self.output_at = self.longest_output
+        if self.output_kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if self.has_output else prompt_logprobs
+        self.has_output = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(completions), finished,
                              prompt_logprobs, self.error,
                              RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time),
