@@ -7,13 +7,14 @@ requests into ``RequestOutput``s (vLLM's ``OutputProcessor``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from engine import beam_search, plain_rows
 from engine.core.scheduler import Append, AppendMany, Drop, Finish, Fork, SequenceStatus
-from engine.outputs import RequestOutput, token_logprobs
+from engine.outputs import RequestOutput, TokenLogprobs, token_logprobs
 from engine.request_state import RequestState
 from engine.sampling_params import BeamSearchParams, RequestOutputKind
 from engine.worker.sampler import prompt_logprobs
@@ -46,7 +47,7 @@ class OutputProcessor:
             self.counters.generation_tokens += len(rows)
             return plain_rows.record(plain, sampled.tokens[: len(rows)], touched)
         tokens, logprobs = sampled.tokens[: len(rows)].tolist(), sampled.logprobs[: len(rows)].tolist()
-        actions, beams = [], {}
+        actions, beams, top = [], {}, None
         for i, row in enumerate(rows):
             request_id = row.request.request_id
             request = touched[request_id] = requests[request_id]
@@ -56,7 +57,8 @@ class OutputProcessor:
             token, tokenizer = tokens[i], self._detokenizer(request)
             entry = None
             if request.num_logprobs is not None:
-                entry = self._logprobs_entry(request, sampled, i, token, logprobs[i], tokenizer)
+                top = top or _TopColumns.of(sampled, slice(0, len(rows)))
+                entry = top.entry(i, request.num_logprobs, token, logprobs[i], tokenizer)
             actions.append(Append(row.seq_id, token))
             if request.record(row.seq_id, token, logprobs[i], entry, tokenizer):
                 actions.append(plain_rows.finish(request, row.seq_id))
@@ -108,22 +110,13 @@ class OutputProcessor:
                               tokenizer) -> int:
         """Record row ``i``'s ``tokens`` one at a time with their log-probabilities entries, up
         to a stop; returns how many were kept."""
+        top = _TopColumns.of(sampled, (slice(None), i))  # this row's steps
         for j, token in enumerate(tokens):
             logprob = float(sampled.logprobs[j, i])
-            entry = self._logprobs_entry(request, sampled, (j, i), token, logprob, tokenizer)
+            entry = top.entry(j, request.num_logprobs, token, logprob, tokenizer)
             if request.record(seq_id, token, logprob, entry, tokenizer):
                 return j + 1
         return len(tokens)
-
-    @staticmethod
-    def _logprobs_entry(request: RequestState, sampled, at, token: int, logprob: float, tokenizer):
-        """The log-probabilities entry of ``token`` (its sampler outputs at index ``at`` of
-        ``sampled``'s arrays), when ``request`` asks for them; else None."""
-        if request.num_logprobs is None:
-            return None
-        return token_logprobs(tokenizer, (token, logprob, int(sampled.ranks[at])),
-                              sampled.top_tokens[at][: request.num_logprobs].tolist(),
-                              sampled.top_logprobs[at][: request.num_logprobs].tolist())
 
     def _beam_step(self, request: RequestState, row_of_seq: dict[int, int], sampled, next_child: int):
         """One beam-search step: proposals of every running beam (in the beam search's order),
@@ -218,3 +211,24 @@ class OutputProcessor:
             return False
         request.output_at = longest
         return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _TopColumns:
+    """The sampler's ranks and top alternatives for some of its rows (or one row's steps), as
+    lists, made once for all the entries of a step: a NumPy index per entry costs more than
+    the entry."""
+
+    ranks: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+    @classmethod
+    def of(cls, sampled, at) -> _TopColumns:
+        """``sampled``'s (``SamplerOutput``, on the host) ranks and top alternatives at index ``at``."""
+        return cls(sampled.ranks[at].tolist(), sampled.top_tokens[at].tolist(), sampled.top_logprobs[at].tolist())
+
+    def entry(self, i: int, num_top: int, token: int, logprob: float, tokenizer) -> TokenLogprobs:
+        """Item ``i``'s log-probabilities entry: ``token`` (sampled with ``logprob``) and the ``num_top`` best."""
+        return token_logprobs(tokenizer, (token, logprob, self.ranks[i]), self.tokens[i][:num_top],
+                              self.logprobs[i][:num_top])

