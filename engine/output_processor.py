@@ -38,7 +38,7 @@ class OutputProcessor:
     def record(self, rows, sampled, requests: dict[str, RequestState], next_child: int, touched) -> list:
         """Record the tokens ``sampled`` (on the host) for ``rows``; the scheduler's actions that
         follow. Forked sequences get ids from ``next_child`` on; ``touched`` gets every request
-        with an output due. Rows that need no text, log-probabilities, constraint or beams are
+        with an output due. Rows without log-probabilities, constraints or beams are
         recorded at once (:mod:`engine.plain_rows`); otherwise sampled rows are recorded in one
         pass, in order, and a beam search's rows after them, a request at a time (its step
         chooses among all its beams)."""

@@ -1,17 +1,18 @@
-"""A decode step's tokens (or a multi-step decode's) recorded at once, for rows whose stops
-need no text.
+"""A decode step's tokens (or a multi-step decode's) recorded at once, for rows without
+log-probabilities, constraints or beams.
 
 Most steps sample one token for each of the same sequences as the step before (the
-lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes text
-as it goes (a request without stop strings makes its text when an output needs it),
-log-probabilities or a constraint's state, or chooses beams, a token is recorded by the stop
-rules alone: it stops its sequence only at ``max_tokens``, or if it is a stop token (EOS
-included). :class:`PlainRows` holds what those rules read, made once for a tuple of rows and
-kept while they are the same; :func:`record` then appends every token, asks NumPy which rows
-may stop, and gives only those the whole :meth:`RequestState.record`. The scheduler gets one
-``AppendEach`` for all the rows (and a ``Finish`` for each that stopped) instead of an
-``Append`` each. :func:`record_steps` does the same with a multi-step decode's tokens
-(``engine.multi_step``), up to k per row.
+lookaheads of :mod:`engine.async_scheduling` keep their rows). When none of them makes
+log-probabilities or follows a constraint's state, or chooses beams, most tokens are recorded
+by the stop rules alone: a token stops its sequence only at ``max_tokens``, or if it is a stop
+token (EOS included). :class:`PlainRows` holds what those rules read, made once for a tuple
+of rows and kept while they are the same; :func:`record` then appends every token, asks NumPy
+which rows may stop, and gives only those the whole :meth:`RequestState.record`. A row whose
+request reads its text as it grows (stop strings: ``RequestState.defers_text`` is False) may
+stop at any token, so it always gets the whole record, with the tokenizer; the others' text
+is made when an output needs it. The scheduler gets one ``AppendEach`` for all the rows (and a
+``Finish`` for each that stopped) instead of an ``Append`` each. :func:`record_steps` does the
+same with a multi-step decode's tokens (``engine.multi_step``), up to k per row.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from engine.sampling_params import RequestOutputKind
 class PlainRows:
     """The rows ``rows`` (``sampling_rows.Row``s, M of them) as columns, row by row: their
     request ids and requests, their sequences' progress and its token lists (which recording
-    appends to in place), seq ids and ``max_tokens`` (int64 [M]); every row's stop tokens
-    together (int64 [S], sorted), the requests whose outputs go out at every step (not
-    ``FINAL_ONLY``), and those still without a first token time."""
+    appends to in place), seq ids and ``max_tokens`` (int64 [M]), which rows read their text as
+    it grows (bool [M]) and the tokenizer they read it with; every row's stop tokens together
+    (int64 [S], sorted), the requests whose outputs go out at every step (not ``FINAL_ONLY``),
+    and those still without a first token time."""
 
     rows: tuple
     request_ids: tuple[str, ...]
@@ -43,6 +45,8 @@ class PlainRows:
     token_lists: tuple[list[int], ...]
     seq_ids: np.ndarray
     max_tokens: np.ndarray
+    reads_text: np.ndarray
+    tokenizer: object
     stop_tokens: np.ndarray
     streamed: tuple[RequestState, ...]
     first_token_pending: list[RequestState]
@@ -50,11 +54,10 @@ class PlainRows:
 
 def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRows | None:
     """``rows`` as :class:`PlainRows`, or None unless each is plain: not beam search, no
-    log-probabilities (nor a cumulative one), no text made as tokens come (no ``tokenizer``,
-    ``detokenize`` False, or text decoded when an output needs it:
-    ``RequestState.defers_text``), no constraint, not finished."""
+    log-probabilities (nor a cumulative one), no constraint, not finished. ``tokenizer``
+    (None: no text) makes the text of rows that read it as it grows."""
     found = tuple(requests.get(row.request.request_id) for row in rows)
-    if not rows or any(request is None or not _plain(request, tokenizer) for request in found):
+    if not rows or any(request is None or request.is_beam_search or request.tracks_logprob for request in found):
         return None
     progress = tuple(request.seqs[row.seq_id] for request, row in zip(found, rows))
     if any(seq.matcher is not None or seq.finish_reason is not None for seq in progress):
@@ -65,14 +68,17 @@ def of(rows: Sequence, requests: dict[str, RequestState], tokenizer) -> PlainRow
         tuple(rows), tuple(request.request_id for request in found), found, progress,
         tuple(seq.token_ids for seq in progress),
         np.fromiter((row.seq_id for row in rows), np.int64, len(rows)),
-        np.fromiter((request.max_tokens for request in found), np.int64, len(found)), np.array(stops, np.int64),
+        np.fromiter((request.max_tokens for request in found), np.int64, len(found)),
+        np.fromiter((_reads_text(request, tokenizer) for request in found), bool, len(found)), tokenizer,
+        np.array(stops, np.int64),
         tuple(request for request in distinct if request.output_kind is not RequestOutputKind.FINAL_ONLY),
         [request for request in distinct if request.first_token_time is None])
 
 
-def _plain(request: RequestState, tokenizer) -> bool:
-    return (not request.is_beam_search and not request.tracks_logprob
-            and (tokenizer is None or not request.params.detokenize or request.defers_text))
+def _reads_text(request: RequestState, tokenizer) -> bool:
+    """Whether ``request``'s stop rules read its text as each token comes (it has text, and a
+    stop string)."""
+    return tokenizer is not None and request.params.detokenize and not request.defers_text
 
 
 def still_valid(plain: PlainRows, requests: dict[str, RequestState]) -> bool:
@@ -87,7 +93,7 @@ def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState
     _note_first_tokens(plain)
     lists = plain.token_lists
     before = np.fromiter(map(len, lists), np.int64, len(lists))
-    may_stop = before + 1 >= plain.max_tokens
+    may_stop = (before + 1 >= plain.max_tokens) | plain.reads_text
     if plain.stop_tokens.size:
         may_stop |= np.isin(tokens, plain.stop_tokens)
     token_list = tokens.tolist()
@@ -96,9 +102,9 @@ def record(plain: PlainRows, tokens: np.ndarray, touched: dict[str, RequestState
         for held, token in zip(lists, token_list):
             held.append(token)
     else:
-        for i, (held, token) in enumerate(zip(lists, token_list)):
-            if may_stop[i]:
-                actions += _record_one(plain.requests[i], plain.rows[i].seq_id, token, touched)
+        for i, (held, token, stop) in enumerate(zip(lists, token_list, may_stop.tolist())):
+            if stop:
+                actions += _record_one(plain, i, token, touched)
             else:
                 held.append(token)
     for request in plain.streamed:
@@ -114,7 +120,7 @@ def record_steps(plain: PlainRows, tokens: np.ndarray, touched: dict[str, Reques
     lists, tokens = plain.token_lists, np.asarray(tokens, np.int64)
     counts = (tokens >= 0).sum(axis=1)
     before = np.fromiter(map(len, lists), np.int64, len(lists))
-    may_stop = before + counts >= plain.max_tokens
+    may_stop = (before + counts >= plain.max_tokens) | plain.reads_text
     if plain.stop_tokens.size:
         may_stop |= np.isin(tokens, plain.stop_tokens).any(axis=1)
     finishes, width = [], tokens.shape[1]
@@ -122,7 +128,7 @@ def record_steps(plain: PlainRows, tokens: np.ndarray, touched: dict[str, Reques
         if stop:
             request, seq_id = plain.requests[i], plain.rows[i].seq_id
             touched[request.request_id] = request
-            counts[i] = request.record_tokens(seq_id, row[:count], [0.0] * count, None)
+            counts[i] = request.record_tokens(seq_id, row[:count], [0.0] * count, _text_tokenizer(plain, i))
             if request.seqs[seq_id].finish_reason is not None:
                 finishes.append(finish(request, seq_id))
         else:
@@ -142,10 +148,16 @@ def _note_first_tokens(plain: PlainRows) -> None:
         plain.first_token_pending.clear()
 
 
-def _record_one(request: RequestState, seq_id: int, token: int, touched: dict[str, RequestState]) -> list:
-    """Record ``token`` by the request's own rules; a Finish if it stops the sequence."""
+def _record_one(plain: PlainRows, i: int, token: int, touched: dict[str, RequestState]) -> list:
+    """Record ``token`` for row ``i`` by its request's own rules; a Finish if it stops the sequence."""
+    request, seq_id = plain.requests[i], plain.rows[i].seq_id
     touched[request.request_id] = request
-    return [finish(request, seq_id)] if request.record(seq_id, token, 0.0, None, None) else []
+    return [finish(request, seq_id)] if request.record(seq_id, token, 0.0, None, _text_tokenizer(plain, i)) else []
+
+
+def _text_tokenizer(plain: PlainRows, i: int):
+    """The tokenizer that makes row ``i``'s text as it records (None: its text waits, or it has none)."""
+    return plain.tokenizer if plain.reads_text[i] else None
 
 
 def finish(request: RequestState, seq_id: int) -> Finish:

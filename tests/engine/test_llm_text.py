@@ -94,10 +94,32 @@ def test_text_made_at_the_end_is_the_text_made_token_by_token(llm, monkeypatch):
                   dict(stop_token_ids=[stop_token], include_stop_str_in_output=True)):
         params = SamplingParams(temperature=0, max_tokens=24, **extra)
         at_end = llm.generate(prompts, params, use_tqdm=False)
+        assert recorded, "no step was recorded at once"
+        recorded.clear()
         as_they_come = llm.generate(prompts, dataclasses.replace(params, stop=(NEVER_SAID,)), use_tqdm=False)
+        assert recorded, "rows with stop strings were not recorded at once"
+        recorded.clear()
         assert [o.outputs[0].text for o in at_end] == [o.outputs[0].text for o in as_they_come]
         assert [o.outputs[0].token_ids for o in at_end] == [o.outputs[0].token_ids for o in as_they_come]
-    assert recorded, "no step was recorded at once"
+
+
+def test_rows_with_and_without_stop_strings_in_one_batch_end_as_each_alone(llm):
+    """A batch mixing requests whose stop strings are found, never found or absent, and one
+    without text: each ends, and reads, as it does alone."""
+    prompt = "Count: one, two, three,"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0].text
+    stop = free.strip().split()[1]
+    params = [SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=20, stop=[NEVER_SAID], include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20, detokenize=False),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=20, stop=[" "])]
+    together = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    for each, output in zip(params, together):
+        alone = llm.generate([prompt], each, use_tqdm=False)[0].outputs[0]
+        assert output.outputs[0] == alone
+    assert together[0].outputs[0].stop_reason == stop and together[0].outputs[0].text == free[: free.index(stop)]
+    assert together[3].outputs[0].text == ""
 
 
 def test_stop_string_ends_generation_and_is_cut(llm):
