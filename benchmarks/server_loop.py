@@ -6,8 +6,8 @@
 ``benchmarks.host_overhead`` drives ``LLMEngine.step()`` and asks for final outputs only, as
 ``LLM.generate`` does. A server (``python -m engine.serve``) runs the same engine differently:
 ``AsyncLLMEngine``'s thread steps it, logs its stats (the server's default), hands every
-request's output to the request's asyncio stream after every step, and keeps a snapshot for
-``/metrics``; each request's handler turns its outputs (deltas, ``RequestOutputKind.DELTA``)
+request's output to the request's asyncio stream after each step that returns one, and keeps
+a snapshot for ``/metrics``; each request's handler turns its outputs (deltas, ``RequestOutputKind.DELTA``)
 into the server-sent events of an OpenAI completion stream
 (``OpenAIServing.completion_stream``, with ``stream_options.include_usage``). This measures that loop with the same tiny
 model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,

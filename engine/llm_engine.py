@@ -224,7 +224,8 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests that changed.
+        """Run one iteration; returns the outputs of the requests that changed (of a streamed
+        request, only those ``stream_interval`` lets out; of a ``FINAL_ONLY`` one, its last).
 
         If the step fails part-way (an error, or Ctrl-C), the requests it was running are
         aborted with the error recorded (every request, if the KV cache's contents were

@@ -202,8 +202,8 @@ class OutputProcessor:
     def _stream_due(self, request: RequestState) -> bool:
         """Whether a running request's streamed output goes out now: its first at once (the
         first token's latency is what a user waits on), then each time its longest sequence has
-        grown by ``stream_interval`` tokens (vLLM's rule). The text of the tokens in between is
-        decoded when the output is built."""
+        grown by ``stream_interval`` tokens (vLLM's rule). The tokens in between go out with
+        the next output (their text decoded then, unless stop strings read it as it came)."""
         if self.stream_interval == 1:
             return True
         longest = max((len(seq.token_ids) for seq in request.seqs.values()), default=0)  # (beams: 0)

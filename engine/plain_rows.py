@@ -35,7 +35,7 @@ class PlainRows:
     request ids and requests, their sequences' progress and its token lists (which recording
     appends to in place), seq ids and ``max_tokens`` (int64 [M]), which rows read their text as
     it grows (bool [M]) and the tokenizer they read it with; every row's stop tokens together
-    (int64 [S], sorted), the requests whose outputs go out at every step (not ``FINAL_ONLY``),
+    (int64 [S], sorted), the requests whose outputs may go out at any step (not ``FINAL_ONLY``),
     and those still without a first token time."""
 
     rows: tuple

@@ -16,8 +16,9 @@ _GREEDY_EPSILON = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
-    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's): after every step, all of
-    it so far (``CUMULATIVE``), only what is new since its previous output (``DELTA``: text,
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's): after every step (or
+    every ``stream_interval`` tokens, ``EngineConfig``'s, after its first), all of it so far
+    (``CUMULATIVE``), only what is new since its previous output (``DELTA``: text,
     tokens and log-probabilities of the completions that changed; prompt log-probabilities in
     the first output only), or only its last (``FINAL_ONLY``, which ``LLM.generate`` asks
     for: a step then builds no output for a request still running)."""

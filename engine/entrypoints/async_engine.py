@@ -78,7 +78,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(self, prompt, sampling_params, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its output each time it changes, the last one finished.
+        """Queue a request and yield its output each time the engine returns one (each step it
+        changes, or as ``stream_interval`` spaces them), the last one finished.
         ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
         (:mod:`engine.inputs`); ``sampling_params``: ``SamplingParams`` (its ``output_kind``
         chooses cumulative outputs, deltas or the final one only) or ``BeamSearchParams``.

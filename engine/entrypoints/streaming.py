@@ -3,6 +3,7 @@ has sent of each choice, and errors after the stream has begun."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -53,10 +54,12 @@ def includes_usage(request) -> bool:
 
 async def ending_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """``chunks``; if producing them fails once streaming has begun (the status line is sent),
-    an error event and ``[DONE]`` end the stream instead of a cut connection, as vLLM does."""
+    an error event and ``[DONE]`` end the stream instead of a cut connection, as vLLM does.
+    Closing it (a client gone) closes ``chunks`` at once."""
     try:
-        async for chunk in chunks:
-            yield chunk
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
     except RequestError as error:
         yield sse(error_body(str(error), error.status, error.kind))
         yield "data: [DONE]\n\n"

@@ -246,31 +246,42 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
 
 def test_multi_step_decode_stops_where_single_steps_do(llm, monkeypatch):
     """Stop strings, stop tokens and EOS that end a sequence in the middle of a loop of 8 steps:
-    the same text, tokens and reasons as one step at a time, and every block freed; without
-    text made at the end too, where each loop's tokens are recorded at once."""
+    the same text, tokens and reasons as one step at a time, and every block freed; each loop's
+    tokens recorded at once where no row has log-probabilities, with text made as tokens come
+    (stop strings) or at the end."""
     multi = LLM(**COMMON, **CONFIGS["batched"], num_scheduler_steps=8)
+    at_once = []
+    record_steps = plain_rows.record_steps
+    monkeypatch.setattr(plain_rows, "record_steps", lambda *args: at_once.append(1) or record_steps(*args))
+
+    def same_as_single_steps(params):
+        outputs = multi.generate(prompts, params, use_tqdm=False)
+        seen = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == seen
+        stats = multi.cache_stats()
+        assert stats.device_blocks_free == stats.device_blocks_total
+
     prompts = ["Count: one, two, three,", "The capital of France is", "List three colours:", "Say hi."]
     params = [SamplingParams(temperature=0, max_tokens=40, stop=[" five", "Paris"]),
               SamplingParams(temperature=0.8, seed=3, max_tokens=37, stop=["."], include_stop_str_in_output=True),
               SamplingParams(temperature=0, max_tokens=29, logprobs=2, stop_token_ids=[28]),
               SamplingParams(temperature=0.7, seed=5, max_tokens=60)]
-    expected = llm.generate(prompts, params, use_tqdm=False)
-    outputs = multi.generate(prompts, params, use_tqdm=False)
-    seen = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in expected]
-    assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == seen
+    same_as_single_steps(params)
     assert multi.engine.counters.multi_steps > 0
-    stats = multi.cache_stats()
-    assert stats.device_blocks_free == stats.device_blocks_total
-    # Without stop strings the text is made when the output is (``RequestState.defers_text``)
-    # and every row is plain (``engine.plain_rows``): the same text as made token by token.
+    # Without the log-probabilities, every row is plain; those with stop strings make their text
+    # as each token comes, and a stop string found mid-loop drops the loop's tokens after it.
+    at_once.clear()
+    same_as_single_steps([*params[:2], dataclasses.replace(params[2], logprobs=None), params[3]])
+    assert at_once, "no loop with stop strings was recorded at once"
+    # Without stop strings the text is made when the output is (``RequestState.defers_text``):
+    # the same text as made token by token.
     plain = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[28]),
              SamplingParams(temperature=0.8, seed=3, max_tokens=37, include_stop_str_in_output=True),
              SamplingParams(temperature=0, max_tokens=29, skip_special_tokens=False),
              SamplingParams(temperature=0.7, seed=5, max_tokens=60)]
     token_by_token = [dataclasses.replace(p, stop=(NEVER_SAID,)) for p in plain]
-    at_once = []
-    record_steps = plain_rows.record_steps
-    monkeypatch.setattr(plain_rows, "record_steps", lambda *args: at_once.append(1) or record_steps(*args))
+    at_once.clear()
     outputs = multi.generate(prompts, plain, use_tqdm=False)
     assert [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs] == [
         [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]

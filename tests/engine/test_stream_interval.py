@@ -23,12 +23,14 @@ INTERVAL = 4
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """The tiny model with SmolLM2's tokenizer (so outputs have text), an output per token and
-    one per ``INTERVAL`` tokens."""
+    """The tiny model with SmolLM2's tokenizer (so outputs have text): an output per token, one
+    per ``INTERVAL`` tokens, and that with loops of 3 decode steps (``num_scheduler_steps``)."""
     directory = tmp_path_factory.mktemp("tiny_stream_interval")
     write_checkpoint("llama_gqa_tied", directory)
     settings = dict(ENGINE, tokenizer="SmolLM2-135M-Instruct", generation_config="vllm")
-    return {interval: LLM(str(directory), **settings, stream_interval=interval) for interval in (1, INTERVAL)}
+    return {"every token": LLM(str(directory), **settings),
+            "spaced": LLM(str(directory), **settings, stream_interval=INTERVAL),
+            "spaced, loops": LLM(str(directory), **settings, stream_interval=INTERVAL, num_scheduler_steps=3)}
 
 
 def _views(llm: LLM, params: SamplingParams) -> list[tuple[int, dict]]:
@@ -43,23 +45,32 @@ def _views(llm: LLM, params: SamplingParams) -> list[tuple[int, dict]]:
             for c in output.outputs:
                 text, tokens, logprobs, _ = told.get(c.index, ("", (), (), None))
                 if params.output_kind is RequestOutputKind.DELTA:
-                    told[c.index] = (text + c.text, tokens + c.token_ids, logprobs + c.logprobs, c.finish_reason)
+                    told[c.index] = (text + c.text, tokens + c.token_ids, logprobs + (c.logprobs or ()),
+                                     c.finish_reason)
                 else:
                     told[c.index] = (c.text, c.token_ids, c.logprobs, c.finish_reason)
             views.append((max(len(t[1]) for t in told.values()), dict(told), output.prompt_logprobs))
     return views
 
 
+SAMPLED = dict(n=2, temperature=1.0, seed=3, max_tokens=14, logprobs=2, prompt_logprobs=1)
+PLAIN = dict(temperature=0.8, seed=5, max_tokens=14, prompt_logprobs=0)  # rows recorded at once (plain_rows)
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
 @pytest.mark.parametrize("stop", [[], ["e"]])
-def test_spaced_outputs_say_what_outputs_at_every_token_said(engines, kind, stop):
-    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=14, logprobs=2, prompt_logprobs=1, stop=stop,
-                            output_kind=kind)
-    every_token, spaced = _views(engines[1], params), _views(engines[INTERVAL], params)
+@pytest.mark.parametrize("settings", [SAMPLED, PLAIN], ids=["n=2 logprobs", "plain"])
+@pytest.mark.parametrize("spacing", ["spaced", "spaced, loops"])
+def test_spaced_outputs_say_what_outputs_at_every_token_said(engines, kind, stop, settings, spacing):
+    params = SamplingParams(**settings, stop=stop, output_kind=kind)
+    every_token, spaced = _views(engines["every token"], params), _views(engines[spacing], params)
     longest = [length for length, _, _ in spaced]
     final = longest[-1]
-    assert longest == sorted({*range(1, final + 1, INTERVAL), final})
     assert [length for length, _, _ in every_token] == list(range(1, final + 1))
+    if spacing == "spaced":  # one token a step: an output at 1, 1 + INTERVAL, ... and the last
+        assert longest == sorted({*range(1, final + 1, INTERVAL), final})
+    else:  # loops of 3 tokens: the first, then each at least INTERVAL after the one before
+        assert longest[0] == 1 and all(b - a >= INTERVAL for a, b in zip(longest, longest[1:-1]))
     by_length = {length: told for length, told, _ in every_token}
     for length, told, _ in spaced:
         assert told == by_length[length]
@@ -69,18 +80,13 @@ def test_spaced_outputs_say_what_outputs_at_every_token_said(engines, kind, stop
         assert all(prompt_logprobs is None for _, _, prompt_logprobs in spaced[1:])
 
 
-def test_final_outputs_do_not_depend_on_it(engines):
-    params = SamplingParams(temperature=0.8, seed=5, max_tokens=9, logprobs=1)
-    outputs = [llm.generate([PROMPT, PROMPT[:2]], params, use_tqdm=False) for llm in engines.values()]
-    assert [o.outputs for o in outputs[0]] == [o.outputs for o in outputs[1]]
-
-
 def test_a_served_stream_sends_its_text_in_chunks_of_that_many_tokens(engines):
-    """The OpenAI server's stream (``--stream-interval``): the first token alone, then chunks of
-    ``INTERVAL`` tokens, adding up to the whole answer's text."""
+    """The OpenAI server's stream (``--stream-interval``): outputs after the first token and
+    every ``INTERVAL`` after it, so at most 4 chunks for 10 tokens, adding up to the whole
+    answer's text and tokens."""
     args = build_parser().parse_args(["--stream-interval", str(INTERVAL)])
     assert engine_config(args).stream_interval == INTERVAL
-    engine = AsyncLLMEngine(engines[INTERVAL].engine)
+    engine = AsyncLLMEngine(engines["spaced"].engine)
     serving = OpenAIServing(engine, ["tiny"])
     request = dict(prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
 
@@ -95,8 +101,7 @@ def test_a_served_stream_sends_its_text_in_chunks_of_that_many_tokens(engines):
     assert events[-1] == "data: [DONE]\n\n"
     choices = [json.loads(event.removeprefix("data: "))["choices"][0] for event in events[:-1]]
     sizes = [len(choice["logprobs"]["tokens"]) for choice in choices if choice["logprobs"]]
-    assert sum(sizes) == 10 and sizes[0] == 1 and max(sizes) <= INTERVAL + 1
-    assert len(sizes) <= 1 + -(-9 // INTERVAL)
+    assert sum(sizes) == 10 and len(sizes) <= 1 + -(-9 // INTERVAL)
     assert "".join(choice["text"] for choice in choices) == whole["text"]
 
 
