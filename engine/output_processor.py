@@ -19,6 +19,11 @@ from engine.request_state import RequestState
 from engine.sampling_params import BeamSearchParams, RequestOutputKind
 from engine.worker.sampler import prompt_logprobs
 
+# Prompt positions scored by one program: one shape to compile (per number of alternatives),
+# at most 15 rows of padding (a row costs a softmax and a top-k over the vocabulary), and a
+# step's thousands of positions still take few dispatches.
+PROMPT_CHUNK = 16
+
 # vLLM's finish reasons for sequences the scheduler ended; the rest ended by a stop rule.
 _FINISH_REASONS = {SequenceStatus.FINISHED_LENGTH: "length", SequenceStatus.FINISHED_IGNORED: "length",
                    SequenceStatus.FINISHED_ABORTED: "abort"}
@@ -153,24 +158,32 @@ class OutputProcessor:
 
     def record_prompt_logprobs(self, logits, prompt_rows) -> None:
         """Log-probabilities of each prompt token given the ones before it, recorded once per
-        position (a re-prefill after preemption does not record them again)."""
+        position (a re-prefill after preemption does not record them again). Every request's
+        positions in the step (``logits``' rows) are scored together, by one program for each
+        :data:`PROMPT_CHUNK` of them."""
+        wanted = []  # (request, its logits row, the prompt token after that position)
         for request, work, first_row in prompt_rows:
-            positions = range(work.start, work.start + len(work.token_ids))
             recorded = len(request.prompt_logprobs) - 1  # positions done (entry 0 is the first token's None)
-            wanted = [(p, r) for r, p in zip(range(first_row, first_row + len(positions)), positions)
-                      if recorded <= p < len(request.prompt_token_ids) - 1]
-            if not wanted:
-                continue
-            num_top = max(request.params.prompt_logprobs, 1)
-            rows = np.array([r for _, r in wanted], np.int32)
-            next_tokens = np.array([request.prompt_token_ids[p + 1] for p, _ in wanted], np.int32)
-            chosen, ranks, top_tokens, top_logprobs = (
-                np.asarray(x) for x in prompt_logprobs(logits[rows], next_tokens, num_top))
+            last = len(request.prompt_token_ids) - 1
+            positions = range(work.start, work.start + len(work.token_ids))
+            wanted += [(request, row, request.prompt_token_ids[position + 1])
+                       for row, position in enumerate(positions, start=first_row) if recorded <= position < last]
+        if not wanted:
+            return
+        size = -(-len(wanted) // PROMPT_CHUNK) * PROMPT_CHUNK
+        rows, next_tokens = np.zeros(size, np.int32), np.zeros(size, np.int32)  # padding scores row 0
+        rows[: len(wanted)] = [row for _, row, _ in wanted]
+        next_tokens[: len(wanted)] = [token for _, _, token in wanted]
+        num_top = max(max(request.params.prompt_logprobs, 1) for request, _, _ in wanted)
+        num_top = min(1 << (num_top - 1).bit_length(), logits.shape[1])  # a few sizes to compile
+        chunks = [prompt_logprobs(logits, rows[i: i + PROMPT_CHUNK], next_tokens[i: i + PROMPT_CHUNK], num_top)
+                  for i in range(0, size, PROMPT_CHUNK)]  # all dispatched, then read
+        chosen, ranks, top_tokens, top_logprobs = (
+            np.concatenate([np.asarray(chunk[part]) for chunk in chunks])[: len(wanted)].tolist() for part in range(4))
+        for j, (request, _, token) in enumerate(wanted):
             top = request.params.prompt_logprobs  # 0: the prompt token's own only
-            for j in range(len(wanted)):
-                request.prompt_logprobs.append(token_logprobs(
-                    self._detokenizer(request), (int(next_tokens[j]), float(chosen[j]), int(ranks[j])),
-                    top_tokens[j, :top].tolist(), top_logprobs[j, :top].tolist()))
+            request.prompt_logprobs.append(token_logprobs(self._detokenizer(request), (token, chosen[j], ranks[j]),
+                                                          top_tokens[j][:top], top_logprobs[j][:top]))
 
     def _detokenizer(self, request: RequestState):
         """The tokenizer that turns ``request``'s tokens into text, or None with ``detokenize=False``."""

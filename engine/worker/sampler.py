@@ -292,14 +292,15 @@ def pick_rows(logits, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("num_top",))
-def prompt_logprobs(logits, next_tokens, num_top: int):
-    """Log-probabilities of the actual next prompt tokens.
+def prompt_logprobs(logits, rows, next_tokens, num_top: int):
+    """Log-probabilities of the actual next prompt tokens, after the prompt positions whose
+    logits are ``logits``' ``rows``.
 
-    logits: float32[positions, vocab]; next_tokens: int32[positions]. Returns
+    logits: float32[L, vocab]; rows and next_tokens: int32[positions]. Returns
     (float32[positions], their ranks int32[positions], top tokens int32[positions, num_top],
     top logprobs [positions, num_top]).
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logprobs = jax.nn.log_softmax(logits[rows].astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
     return chosen, _ranks(logprobs, chosen), top_tokens.astype(jnp.int32), top_logprobs

@@ -117,6 +117,34 @@ def test_prompt_logprobs_match_a_full_forward(llm_and_config, checkpoint, tmp_pa
         assert abs(got - logprobs[position - 1, prompt[position]]) < 1e-4
 
 
+def test_prompt_logprobs_of_a_batch_are_each_prompts_own(llm_and_config, tmp_path):
+    """Prompts that ask for 0, 1 or 5 prompt log-probabilities (or none), scored together in
+    one step, in chunks over several steps, or alone: each its own entries, the same tokens
+    and ranks (the values to float32's last bits: a prefill of other prompts beside it is
+    another product)."""
+    llm, config = llm_and_config
+    chunked, _ = tiny_llm("llama_gqa_tied", tmp_path, max_num_seqs=8, max_num_batched_tokens=24)
+    batch = prompts(6, config.vocab_size, seed=13)
+    counts = [0, 1, 5, None, 2, 1]
+    params = [SamplingParams(max_tokens=1, prompt_logprobs=count) for count in counts]
+    together = llm.generate(batch, params, use_tqdm=False)
+    in_chunks = chunked.generate(batch, params, use_tqdm=False)
+    for prompt, each, count, *outputs in zip(batch, params, counts, together, in_chunks):
+        alone = llm.generate([prompt], each, use_tqdm=False)[0].prompt_logprobs
+        if count is None:
+            assert alone is None and all(output.prompt_logprobs is None for output in outputs)
+            continue
+        assert len(alone) == len(prompt) and alone[0] is None
+        for position, entry in enumerate(alone[1:], start=1):
+            assert prompt[position] in entry
+            ranks = sorted(v.rank for t, v in entry.items() if t != prompt[position] or v.rank <= count)
+            assert ranks == list(range(1, count + 1))
+            for output in outputs:
+                other = output.prompt_logprobs[position]
+                assert {t: v.rank for t, v in other.items()} == {t: v.rank for t, v in entry.items()}
+                assert all(abs(other[t] - v) < 1e-5 for t, v in entry.items())
+
+
 def _fail_on_call(target, name: str, call: int, *, after: bool = False):
     """Replace ``target.name`` with a wrapper whose ``call``-th call raises (before running the
     original, or after it when ``after``: the original consumed its donated inputs)."""
