@@ -48,6 +48,13 @@ def main():
     got = [o.outputs[0].token_ids for o in split.generate(batch, greedy, use_tqdm=False)]
     assert got == want, "greedy outputs differ"
 
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=3)  # scored from logits split over the vocabulary
+    split_scores = split.generate(batch, scored, use_tqdm=False)
+    for alone, each in zip(single.generate(batch, scored, use_tqdm=False), split_scores):
+        for a, b in zip(alone.prompt_logprobs[1:], each.prompt_logprobs[1:]):
+            assert {t: v.rank for t, v in a.items()} == {t: v.rank for t, v in b.items()}, "prompt logprobs differ"
+            assert all(abs(a[t] - b[t]) <= 1e-5 for t in a), "prompt logprobs differ"
+
     swapping = LLM(directory, **{**ENGINE, "tensor_parallel_size": DEVICES, "num_blocks": 12,
                                  "preemption_mode": "swap", "max_num_seqs": 8})
     got = [o.outputs[0].token_ids for o in swapping.generate(batch, greedy, use_tqdm=False)]
