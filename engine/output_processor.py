@@ -180,10 +180,10 @@ class OutputProcessor:
                   for i in range(0, size, PROMPT_CHUNK)]  # all dispatched, then read
         chosen, ranks, top_tokens, top_logprobs = (
             np.concatenate([np.asarray(chunk[part]) for chunk in chunks])[: len(wanted)].tolist() for part in range(4))
-        for j, (request, _, token) in enumerate(wanted):
-            top = request.params.prompt_logprobs  # 0: the prompt token's own only
-            request.prompt_logprobs.append(token_logprobs(self._detokenizer(request), (token, chosen[j], ranks[j]),
-                                                          top_tokens[j][:top], top_logprobs[j][:top]))
+        top = _TopColumns(ranks, top_tokens, top_logprobs)
+        for j, (request, _, token) in enumerate(wanted):  # prompt_logprobs 0: the prompt token's own only
+            request.prompt_logprobs.append(
+                top.entry(j, request.params.prompt_logprobs, token, chosen[j], self._detokenizer(request)))
 
     def _detokenizer(self, request: RequestState):
         """The tokenizer that turns ``request``'s tokens into text, or None with ``detokenize=False``."""
@@ -228,9 +228,9 @@ class OutputProcessor:
 
 @dataclasses.dataclass(frozen=True)
 class _TopColumns:
-    """The sampler's ranks and top alternatives for some of its rows (or one row's steps), as
-    lists, made once for all the entries of a step: a NumPy index per entry costs more than
-    the entry."""
+    """Ranks and top alternatives, as lists, of the sampler's rows (or one row's steps) or of
+    a step's prompt positions, made once for all the entries of a step: a NumPy index per entry
+    costs more than the entry."""
 
     ranks: list[int]
     tokens: list[list[int]]
