@@ -145,3 +145,24 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+def joined_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive ``RequestOutputKind.DELTA`` outputs of one request as the one delta that
+    says what both say (vLLM's ``RequestOutput.add`` aggregating): per completion index, the
+    texts, tokens and log-probability entries joined, the rest (cumulative log-probability,
+    finish and stop reasons) the later's; a completion only one of them has, as it is; the
+    prompt's log-probabilities from whichever has them (the first delta); the rest the later's."""
+    completions = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        before = completions.get(c.index)
+        if before is not None:
+            logprobs = None if c.logprobs is None else (before.logprobs or ()) + c.logprobs
+            c = CompletionOutput(c.index, before.text + c.text, before.token_ids + c.token_ids, c.cumulative_logprob,
+                                 logprobs, c.finish_reason, c.stop_reason)
+        completions[c.index] = c
+    prompt_logprobs = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
+    cached = later.num_cached_tokens if later.num_cached_tokens is not None else earlier.num_cached_tokens
+    return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids,
+                         tuple(completions[i] for i in sorted(completions)), later.finished, prompt_logprobs,
+                         later.error if later.error is not None else earlier.error, later.metrics, cached)

@@ -2,25 +2,28 @@
 
 Only the loop thread touches the ``LLMEngine``; the asyncio side sends it requests and aborts
 through a queue and receives outputs through ``call_soon_threadsafe``. A consumer that stops
-listening (a client that disconnects) aborts its request, which frees its blocks.
+listening (a client that disconnects) aborts its request, which frees its blocks. A consumer
+that falls behind gets the outputs it missed as one (:class:`_Stream`), as vLLM's does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine import gc_freeze
 from engine.core.scheduler import SchedulerState, SchedulerStats
 from engine.core.scheduler import stats as scheduler_stats
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, joined_deltas
+from engine.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class _Add:
     request_id: str
     prompt: object
     params: object
-    stream: asyncio.Queue
+    stream: _Stream
     loop: asyncio.AbstractEventLoop
 
 
@@ -70,7 +73,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, tuple[_Stream, asyncio.AbstractEventLoop]] = {}
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self.snapshot = self._snapshot()
@@ -79,7 +82,9 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt, sampling_params, request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time the engine returns one (each step it
-        changes, or as ``stream_interval`` spaces them), the last one finished.
+        changes, or as ``stream_interval`` spaces them), the last one finished. Outputs that
+        came while the caller was busy come as one: deltas joined, of cumulative outputs the
+        latest.
         ``prompt``: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
         (:mod:`engine.inputs`); ``sampling_params``: ``SamplingParams`` (its ``output_kind``
         chooses cumulative outputs, deltas or the final one only) or ``BeamSearchParams``.
@@ -90,7 +95,7 @@ class AsyncLLMEngine:
         """
         if not self.is_healthy:
             raise RuntimeError("the engine has stopped" + (f" after an error: {self.error}" if self.error else ""))
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _Stream(_merge_for(sampling_params))
         self._inbox.put(_Add(request_id, prompt, sampling_params, stream, asyncio.get_running_loop()))
         finished = False
         try:
@@ -195,6 +200,44 @@ class AsyncLLMEngine:
         return EngineSnapshot.of(self.engine)
 
 
-def _put_all(items: list[tuple[str, asyncio.Queue, object]]) -> None:
+class _Stream:
+    """A request's outputs that its caller has not read yet, on the caller's event loop. An
+    output that comes while the one before is still unread is merged into it
+    (:func:`_merge_for`): a caller that cannot keep up with the engine (hundreds of streams
+    on one event loop) reads what it missed in one piece, and builds one response chunk for it
+    instead of one per step. An error is never merged: it comes after the outputs before it."""
+
+    __slots__ = ("_items", "_merge", "_ready")
+
+    def __init__(self, merge: Callable[[RequestOutput, RequestOutput], RequestOutput]):
+        self._items: collections.deque = collections.deque()
+        self._merge = merge
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        items = self._items
+        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+            items[-1] = self._merge(items[-1], item)
+        else:
+            items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def _merge_for(params) -> Callable[[RequestOutput, RequestOutput], RequestOutput]:
+    """How two unread outputs of a request with ``params`` become one: deltas joined
+    (:func:`engine.outputs.joined_deltas`); otherwise (cumulative, final only, beam search)
+    the later, which holds everything the earlier does."""
+    if getattr(params, "output_kind", None) is RequestOutputKind.DELTA:
+        return joined_deltas
+    return lambda earlier, later: later
+
+
+def _put_all(items: list[tuple[str, _Stream, object]]) -> None:
     for _, stream, item in items:
-        stream.put_nowait(item)
+        stream.put(item)

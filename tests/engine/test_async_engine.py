@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from engine import SamplingParams
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import CompletionRequest, RequestError
+from engine.sampling_params import RequestOutputKind
 from tests.engine.test_llm_requests import _fail_on_call
 from tests.engine.tiny import prompts, tiny_llm
 
@@ -117,3 +119,46 @@ def test_a_stream_closed_early_aborts_its_requests_and_frees_their_blocks(tmp_pa
         assert after["usage"]["completion_tokens"] == 3
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_reader_that_falls_behind_gets_what_it_missed_in_one_output(llm_and_config, kind):
+    """A stream whose reader is busy while the engine steps (a slow client) gets the outputs
+    it missed merged: deltas joined, of cumulative outputs the latest. What it reads adds up to
+    what a reader that kept up gets: tokens, log-probabilities, finish reasons, the prompt's
+    log-probabilities once."""
+    llm, config = llm_and_config
+    prompt = prompts(1, config.vocab_size, seed=41)[0]
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1, output_kind=kind)
+    (expected,) = llm.generate([prompt], dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE),
+                               use_tqdm=False)
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def read():
+        outputs = []
+        async for output in engine.generate(prompt, params, "slow"):
+            outputs.append(output)
+            if len(outputs) == 1:
+                await asyncio.sleep(0.3)  # the engine goes on meanwhile
+        return outputs
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(read(), 60))
+    finally:
+        engine.shutdown()
+    assert len(outputs) < params.max_tokens  # some came merged
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    if kind is RequestOutputKind.CUMULATIVE:
+        assert outputs[-1].outputs == expected.outputs
+    else:
+        for choice in expected.outputs:
+            parts = [c for o in outputs for c in o.outputs if c.index == choice.index]
+            assert sum((c.token_ids for c in parts), ()) == choice.token_ids
+            assert sum((c.logprobs for c in parts), ()) == choice.logprobs
+            assert [c.finish_reason for c in parts][-1] == choice.finish_reason == "length"
+            assert parts[-1].cumulative_logprob == choice.cumulative_logprob
+        assert [o.prompt_logprobs is not None for o in outputs] == [True] + [False] * (len(outputs) - 1)
+    assert outputs[0].prompt_logprobs == expected.prompt_logprobs
+    stats = llm.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total
