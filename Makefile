@@ -108,6 +108,7 @@ gpu-wheels: $(CURRENT_STAMP)
 bench-gpu:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_kernels
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.gpu_throughput
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.engine_process --gpu
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m benchmarks.fill_docs
 
 serve: install
@@ -122,6 +123,7 @@ bench: install
 	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.host_overhead
 	$(PY) -m benchmarks.server_loop
+	$(PY) -m benchmarks.engine_process
 	$(PY) -m benchmarks.throughput traces
 	$(PY) -m benchmarks.memory
 	$(PY) -m benchmarks.serving
@@ -136,6 +138,7 @@ bench-quick: install
 	$(PY) -m benchmarks.startup --quick
 	$(PY) -m benchmarks.host_overhead --quick
 	$(PY) -m benchmarks.server_loop --quick
+	$(PY) -m benchmarks.engine_process --quick
 	$(PY) -m benchmarks.throughput traces --quick
 	$(PY) -m benchmarks.memory --quick
 	$(PY) -m benchmarks.serving --quick

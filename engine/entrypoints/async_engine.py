@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engine import gc_freeze
 from engine.core.scheduler import SchedulerState, SchedulerStats
 from engine.core.scheduler import stats as scheduler_stats
+from engine.entrypoints.engine_loop import IDLE_WAIT_SECONDS, STOP, Abort, Add, Delivery, EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, joined_deltas
 from engine.sampling_params import RequestOutputKind
@@ -35,7 +35,7 @@ class EngineSnapshot:
     thread) and the counters; ``scheduler``, which walks every block table, is computed when
     read (a metrics scrape), not per step."""
 
-    state: SchedulerState
+    state: SchedulerState | None  # None once detached
     prompt_tokens: int
     generation_tokens: int
     steps: int
@@ -51,34 +51,27 @@ class EngineSnapshot:
         """Queues, preemptions, KV use and block accounting (``LLMEngine.stats()``) at the snapshot."""
         return scheduler_stats(self.state)
 
-
-@dataclasses.dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: object
-    params: object
-    stream: _Stream
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclasses.dataclass(frozen=True)
-class _Abort:
-    request_id: str
+    def detached(self) -> EngineSnapshot:
+        """This snapshot without the scheduler's state, its numbers computed now: what the
+        server of an engine in another process receives (a few hundred bytes to send)."""
+        stats = self.scheduler
+        detached = dataclasses.replace(self, state=None)
+        detached.__dict__["scheduler"] = stats  # the cached property, filled
+        return detached
 
 
-class AsyncLLMEngine:
-    """``async for output in engine.generate(prompt, sampling_params, request_id)`` while other
-    requests run (vLLM's ``AsyncLLMEngine``)."""
+class EngineClient:
+    """What the server's side of an engine loop does wherever the engine runs: each request's
+    outputs as an async stream (:meth:`generate`), aborts, and the outputs of each step handed
+    to their streams in one wake-up of each event loop (:meth:`_deliver_all`). Subclasses say
+    how a message reaches the engine (:meth:`_send`) and whether it is running."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
+    engine: object  # the LLMEngine, or what the server may read of it (EngineView)
+    snapshot: object  # the engine's state after its latest step, for metrics
+
+    def __init__(self):
         self._streams: dict[str, tuple[_Stream, asyncio.AbstractEventLoop]] = {}
-        self._stopping = threading.Event()
         self.error: BaseException | None = None
-        self.snapshot = self._snapshot()
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
 
     async def generate(self, prompt, sampling_params, request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time the engine returns one (each step it
@@ -96,9 +89,10 @@ class AsyncLLMEngine:
         if not self.is_healthy:
             raise RuntimeError("the engine has stopped" + (f" after an error: {self.error}" if self.error else ""))
         stream = _Stream(_merge_for(sampling_params))
-        self._inbox.put(_Add(request_id, prompt, sampling_params, stream, asyncio.get_running_loop()))
+        self._streams[request_id] = (stream, asyncio.get_running_loop())
         finished = False
         try:
+            self._send(Add(request_id, prompt, sampling_params))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -111,73 +105,27 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (safe from any thread)."""
-        self._inbox.put(_Abort(request_id))
-
-    def shutdown(self) -> None:
-        self._stopping.set()
-        self._inbox.put(None)
-        self._thread.join(timeout=30)
+        self._streams.pop(request_id, None)
+        self._send(Abort(request_id))
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        raise NotImplementedError
 
-    def _loop(self) -> None:
-        try:
-            with gc_freeze.older_objects_frozen():  # the collector skips the loaded engine
-                while not self._stopping.is_set():
-                    idle = not self.engine.has_unfinished_requests()
-                    # Idle time compiles what the start-up left out, one short program at a time.
-                    self._drain_inbox(block=idle and not self.engine.warm_up_when_idle())
-                    if self.engine.has_unfinished_requests():
-                        self._step()
-        except BaseException as error:  # the loop must not die silently: fail every waiting request
-            log.exception("engine loop failed")
-            self.error = error
-            for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine failed: {error}"), last=True)
+    def shutdown(self) -> None:
+        raise NotImplementedError
 
-    def _step(self) -> None:
-        """One engine step. A step that fails has aborted the requests it ran (see
-        ``LLMEngine.step``): their callers get the error, and the others keep going."""
-        try:
-            outputs = self.engine.step()
-        except Exception as error:
-            log.exception("engine step failed")
-            for request_id in [r for r in self._streams if r not in self.engine.requests]:
-                self._deliver(request_id, RuntimeError(f"engine step failed: {error}"), last=True)
-            outputs = []
-        self._deliver_all([(output.request_id, output, output.finished) for output in outputs])
-        self.snapshot = self._snapshot()
+    def _send(self, message) -> None:
+        """Hand ``message`` (``Add``, ``Abort`` or ``STOP``) to the engine loop (any thread)."""
+        raise NotImplementedError
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
+    def _failed(self, error: BaseException) -> None:
+        """The engine is gone: every stream, whether its request ran yet or not, gets ``error``."""
+        self.error = error
+        self._deliver_all([(request_id, RuntimeError(f"engine failed: {error}"), True)
+                           for request_id in list(self._streams)])
 
-    def _handle(self, item) -> None:
-        if isinstance(item, _Abort):
-            if self._streams.pop(item.request_id, None) is not None:
-                self.engine.abort_request(item.request_id)
-                self.snapshot = self._snapshot()
-            return
-        self._streams[item.request_id] = (item.stream, item.loop)
-        try:
-            self.engine.add_request(item.request_id, item.prompt, item.params)
-        except Exception as error:  # a bad request: tell its caller, keep serving
-            self._deliver(item.request_id, error, last=True)
-
-    def _deliver(self, request_id: str, item, last: bool) -> None:
-        self._deliver_all([(request_id, item, last)])
-
-    def _deliver_all(self, items: list[tuple[str, object, bool]]) -> None:
+    def _deliver_all(self, items: list[Delivery]) -> None:
         """Each (request id, output or error, whether it is the last) to its request's stream:
         one wake-up of each event loop for all of them (a wake-up per output is a write to the
         loop's pipe, per request per step)."""
@@ -187,14 +135,68 @@ class AsyncLLMEngine:
             if target is None:
                 continue
             if last:
-                del self._streams[request_id]
+                self._streams.pop(request_id, None)
             by_loop.setdefault(target[1], []).append((request_id, target[0], item))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the callers' event loop is gone
                 for request_id, _, _ in items:
-                    self.engine.abort_request(request_id)
+                    self.abort(request_id)
+
+
+class AsyncLLMEngine(EngineClient):
+    """``async for output in engine.generate(prompt, sampling_params, request_id)`` while other
+    requests run (vLLM's ``AsyncLLMEngine``), the engine stepped on a thread of this process
+    (:class:`engine.entrypoints.engine_loop.EngineLoop`). For an engine in a process of its
+    own: :class:`engine.entrypoints.engine_process.EngineProcess`."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self.snapshot = self._snapshot()
+        self._engine_loop = EngineLoop(engine, self._deliver_all)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._send(STOP)
+        self._thread.join(timeout=30)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def _send(self, message) -> None:
+        self._inbox.put(message)
+
+    def _loop(self) -> None:
+        try:
+            self._engine_loop.run(self._receive, self._step, self._changed)
+        except BaseException as error:  # the loop must not die silently: fail every waiting request
+            log.exception("engine loop failed")
+            self._failed(error)
+
+    def _step(self) -> None:
+        self._engine_loop.step()
+        self.snapshot = self._snapshot()
+
+    def _changed(self) -> None:
+        self.snapshot = self._snapshot()
+
+    def _receive(self, block: bool) -> list:
+        """The messages in the inbox; with ``block``, waiting a while for the first."""
+        try:
+            messages = [self._inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self._inbox.get_nowait()]
+        except queue.Empty:
+            return []
+        while messages[-1] is not STOP:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return messages
 
     def _snapshot(self) -> EngineSnapshot:
         return EngineSnapshot.of(self.engine)

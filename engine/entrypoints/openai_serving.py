@@ -1,5 +1,6 @@
-"""OpenAI's completions and chat endpoints on top of ``AsyncLLMEngine``: requests in, JSON or
-server-sent-event chunks out. Protocol only; the HTTP plumbing lives in ``engine.serve``."""
+"""OpenAI's completions and chat endpoints on top of an engine loop (``AsyncLLMEngine``, or
+``EngineProcess``): requests in, JSON or server-sent-event chunks out. Protocol only; the HTTP
+plumbing lives in ``engine.serve``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jinja2
 
 from engine.core.scheduler import InvalidRequestError
 from engine.entrypoints import request_outputs
-from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.async_engine import EngineClient
 from engine.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError, response_id
 from engine.entrypoints.streaming import ChoiceProgress, chunk_writer, ending_with_errors, includes_usage
 from engine.outputs import CompletionOutput, RequestOutput
@@ -22,7 +23,7 @@ from engine.sampling_params import BeamSearchParams, SamplingParams, as_deltas
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], on_finished=None,
+    def __init__(self, engine: EngineClient, model_names: list[str], on_finished=None,
                  defaults: dict | None = None):
         self.engine = engine
         # Sampling defaults for fields a request leaves out (the model's generation config);

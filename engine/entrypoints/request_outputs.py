@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from engine.core.scheduler import InvalidRequestError
-from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.async_engine import EngineClient
 from engine.entrypoints.protocol import RequestError, response_id
 from engine.outputs import RequestOutput
 from engine.sampling_params import final_only
@@ -18,7 +18,7 @@ from engine.sampling_params import final_only
 OnFinished = Callable[[RequestOutput, list[tuple[int, str | None]]], None]
 
 
-async def merged(engine: AsyncLLMEngine, plans, prefix: str, on_finished: OnFinished, shown=None
+async def merged(engine: EngineClient, plans, prefix: str, on_finished: OnFinished, shown=None
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of every planned request (``plans``: (token ids, params) each) as they come,
     tagged with the plan's index (:func:`outputs_of` each). Closing this iterator aborts every
@@ -56,7 +56,7 @@ async def merged(engine: AsyncLLMEngine, plans, prefix: str, on_finished: OnFini
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def outputs_of(engine: AsyncLLMEngine, ids, params, prefix: str, on_finished: OnFinished, shown=None
+async def outputs_of(engine: EngineClient, ids, params, prefix: str, on_finished: OnFinished, shown=None
                      ) -> AsyncIterator[RequestOutput]:
     """One request's outputs, as ``shown(output)`` presents them to the client and to
     ``on_finished`` (called with the last output and each choice's (tokens, finish reason));
@@ -78,7 +78,7 @@ async def outputs_of(engine: AsyncLLMEngine, ids, params, prefix: str, on_finish
         raise RequestError(str(error)) from None
 
 
-async def finals(engine: AsyncLLMEngine, plans, prefix: str, on_finished: OnFinished, shown=None
+async def finals(engine: EngineClient, plans, prefix: str, on_finished: OnFinished, shown=None
                  ) -> list[RequestOutput]:
     """The final output of every planned request (a response that is not streamed): the
     engine builds no other (``RequestOutputKind.FINAL_ONLY``)."""

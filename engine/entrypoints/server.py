@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import DTYPES, EngineConfig
 from engine.entrypoints import routes
-from engine.entrypoints.async_engine import AsyncLLMEngine
+from engine.entrypoints.async_engine import AsyncLLMEngine, EngineClient
+from engine.entrypoints.engine_process import EngineProcess
 from engine.entrypoints.metrics import Metrics
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import RequestError, error_body
@@ -73,14 +74,14 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def create_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
+def create_app(engine: EngineClient, model_names: list[str], *, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20, generation_overrides: dict | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_names`` (the first is the
     default). Requests take the model's sampling defaults (``LLMEngine.default_sampling``)
     with ``generation_overrides`` (``--override-generation-config``'s, by generation-config
     names) over them, for the fields they leave out; ``max_new_tokens`` caps every request's
     ``max_tokens`` and is the default of those that send none (else: up to the context)."""
-    metrics = Metrics(model_names[0], block_size=engine.engine.cache.spec.block_size)
+    metrics = Metrics(model_names[0], block_size=engine.engine.config.block_size)
     overrides = {("max_tokens" if key == "max_new_tokens" else key): value
                  for key, value in (generation_overrides or {}).items()}
     serving = OpenAIServing(engine, model_names, on_finished=metrics.observe_finished,
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
              "fewer, larger chunks, less work per step with many streams (default 1: every token)")
     add("--enforce-eager", action="store_true", help="skip compiling every step shape at start (each "
         "compiles when first needed); vLLM's switch off CUDA graphs")
+    add("--engine-process", action="store_true",
+        help="run the engine in a process of its own (vLLM V1's engine core process), so that streaming "
+             "hundreds of answers does not slow its steps; for hosts with cores to spare (see docs/gpu.md)")
     add("--disable-log-stats", action="store_true", help="no throughput and cache log line every 10 s")
     add("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs / prompt_logprobs a "
         "request may ask for")
@@ -261,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     try:
-        engine = AsyncLLMEngine(LLMEngine(engine_config(args)))
+        config = engine_config(args)
+        engine = EngineProcess(config) if args.engine_process else AsyncLLMEngine(LLMEngine(config))
     except (ModelLoadError, ValueError) as error:  # what to change, in one line; no traceback
         sys.exit(f"error: {error}")
     names = args.served_model_name or [model_name(args) or DEFAULT_MODEL_NAME]
