@@ -39,11 +39,12 @@ MODES = ("thread", "process")
 PROMPT_TOKENS = 32
 
 
-def write_model(directory: pathlib.Path, gpu: bool) -> None:
-    """The benchmark's model in ``directory`` (run in a subprocess of its own: it uses JAX)."""
+def write_model(directory: pathlib.Path, gpu: bool, quick: bool) -> None:
+    """The benchmark's model in ``directory`` (run in a subprocess of its own: it uses JAX);
+    ``gpu`` and ``quick``: Llama-3.2-1B's shape with 2 layers and a small vocabulary."""
     if gpu:
         from benchmarks.gpu_throughput import model_config, write_checkpoint
-        write_checkpoint(model_config("llama-3.2-1b", quick=False), directory)
+        write_checkpoint(model_config("llama-3.2-1b", quick=quick), directory)
     else:
         from benchmarks.host_overhead import write_model as write_tiny
         write_tiny(directory)
@@ -131,16 +132,17 @@ def main(argv: list[str] | None = None) -> str:
               else [GPU_COUNT] if args.gpu else list(COUNTS[args.quick]))
     rounds = args.rounds or (1 if args.quick or args.gpu else 2)
     if args.write:
-        write_model(pathlib.Path(args.model), args.gpu)
+        write_model(pathlib.Path(args.model), args.gpu, args.quick)
         return ""
     if args.run:
         print(json.dumps(run_mode(args.run, pathlib.Path(args.model), counts, rounds, output_tokens)))
         return ""
     repeats = args.repeats or (1 if args.gpu else 2)
     start, runs = time.perf_counter(), []
-    common = ["--num-seqs", ",".join(map(str, counts)), "--rounds", str(rounds)] + (["--gpu"] if args.gpu else [])
+    gpu = ["--gpu"] if args.gpu else []
+    common = ["--num-seqs", ",".join(map(str, counts)), "--rounds", str(rounds), *gpu]
     with tempfile.TemporaryDirectory(prefix="engine-process-") as folder:
-        _subprocess("--write", "--model", folder, *(["--gpu"] if args.gpu else []))
+        _subprocess("--write", "--model", folder, *gpu, *(["--quick"] if args.quick else []))
         for _, mode in itertools.product(range(repeats), MODES):
             runs.append((mode, json.loads(_subprocess("--run", mode, "--model", folder, *common).splitlines()[-1])))
             print(f"{mode}: {runs[-1][1]}", flush=True)
