@@ -85,11 +85,14 @@ def write_byte_tokenizer(directory, vocab_size: int) -> None:
     fast.save_pretrained(directory)
 
 
-def test_the_server_answers_the_openai_client(tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_the_server_answers_the_openai_client(tmp_path, engine_process):
+    """With the engine on the server's thread, and in a process of its own (whose parent must
+    leave the GPU to it)."""
     config = write_checkpoint("llama_gqa_tied", tmp_path)
     write_byte_tokenizer(tmp_path, config.vocab_size)
     args = ["--model", str(tmp_path), "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "8",
-            "--swap-space", "0.01"]
+            "--swap-space", "0.01"] + (["--engine-process"] if engine_process else [])
     with running_server(*args) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         completion = client.completions.create(model="tiny", prompt="Hello, GPU", max_tokens=12, temperature=0)
