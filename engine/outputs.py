@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Sequence
 
 from engine.core.records import record
 
@@ -147,22 +149,30 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-def joined_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive ``RequestOutputKind.DELTA`` outputs of one request as the one delta that
-    says what both say (vLLM's ``RequestOutput.add`` aggregating): per completion index, the
-    texts, tokens and log-probability entries joined, the rest (cumulative log-probability,
-    finish and stop reasons) the later's; a completion only one of them has, as it is; the
-    prompt's log-probabilities from whichever has them (the first delta); the rest the later's."""
-    completions = {c.index: c for c in earlier.outputs}
-    for c in later.outputs:
-        before = completions.get(c.index)
-        if before is not None:
-            logprobs = None if c.logprobs is None else (before.logprobs or ()) + c.logprobs
-            c = CompletionOutput(c.index, before.text + c.text, before.token_ids + c.token_ids, c.cumulative_logprob,
-                                 logprobs, c.finish_reason, c.stop_reason)
-        completions[c.index] = c
-    prompt_logprobs = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
-    cached = later.num_cached_tokens if later.num_cached_tokens is not None else earlier.num_cached_tokens
-    return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids,
-                         tuple(completions[i] for i in sorted(completions)), later.finished, prompt_logprobs,
-                         later.error if later.error is not None else earlier.error, later.metrics, cached)
+def joined_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive ``RequestOutputKind.DELTA`` outputs of one request as the one delta that says
+    what they all say (vLLM's ``RequestOutput.add`` aggregating), in time linear in their size:
+    per completion index, the texts, tokens and log-probability entries joined, the rest
+    (cumulative log-probability, finish and stop reasons) the last's; the prompt's
+    log-probabilities from whichever has them (the first delta); the rest the last's, the
+    error the last one given."""
+    if len(outputs) == 1:
+        return outputs[0]
+    parts: dict[int, list[CompletionOutput]] = {}
+    for output in outputs:
+        for c in output.outputs:
+            parts.setdefault(c.index, []).append(c)
+    completions = []
+    for index in sorted(parts):
+        pieces, last = parts[index], parts[index][-1]
+        logprobs = None if last.logprobs is None else tuple(
+            itertools.chain.from_iterable(c.logprobs or () for c in pieces))
+        completions.append(CompletionOutput(
+            index, "".join(c.text for c in pieces), tuple(itertools.chain.from_iterable(c.token_ids for c in pieces)),
+            last.cumulative_logprob, logprobs, last.finish_reason, last.stop_reason))
+    last = outputs[-1]
+    return RequestOutput(
+        last.request_id, last.prompt, last.prompt_token_ids, tuple(completions), last.finished,
+        next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
+        next((o.error for o in reversed(outputs) if o.error is not None), None), last.metrics,
+        next((o.num_cached_tokens for o in reversed(outputs) if o.num_cached_tokens is not None), None))

@@ -13,12 +13,13 @@ import collections
 import dataclasses
 import functools
 import logging
+import operator
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engine.core.scheduler import SchedulerState, SchedulerStats
+from engine.core.scheduler import InvalidRequestError, SchedulerState, SchedulerStats
 from engine.core.scheduler import stats as scheduler_stats
 from engine.entrypoints.engine_loop import IDLE_WAIT_SECONDS, STOP, Abort, Add, Delivery, EngineLoop
 from engine.llm_engine import LLMEngine
@@ -88,8 +89,13 @@ class EngineClient:
         """
         if not self.is_healthy:
             raise RuntimeError("the engine has stopped" + (f" after an error: {self.error}" if self.error else ""))
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already running; give each request its own")
         stream = _Stream(_merge_for(sampling_params))
         self._streams[request_id] = (stream, asyncio.get_running_loop())
+        if self.error is not None:  # the engine failed as the stream was made: no one would end it
+            self._streams.pop(request_id, None)
+            raise RuntimeError(f"the engine has stopped after an error: {self.error}")
         finished = False
         try:
             self._send(Add(request_id, prompt, sampling_params))
@@ -203,41 +209,45 @@ class AsyncLLMEngine(EngineClient):
 
 
 class _Stream:
-    """A request's outputs that its caller has not read yet, on the caller's event loop. An
-    output that comes while the one before is still unread is merged into it
+    """A request's outputs that its caller has not read yet, on the caller's event loop.
+    Outputs that come while the ones before are still unread are read as one
     (:func:`_merge_for`): a caller that cannot keep up with the engine (hundreds of streams
-    on one event loop) reads what it missed in one piece, and builds one response chunk for it
-    instead of one per step. An error is never merged: it comes after the outputs before it."""
+    on one event loop, a slow client) reads what it missed in one piece, and builds one
+    response chunk for it instead of one per step. An error is never merged: it comes after
+    the outputs before it."""
 
     __slots__ = ("_items", "_merge", "_ready")
 
-    def __init__(self, merge: Callable[[RequestOutput, RequestOutput], RequestOutput]):
-        self._items: collections.deque = collections.deque()
+    def __init__(self, merge: Callable[[list[RequestOutput]], RequestOutput]):
+        self._items: collections.deque = collections.deque()  # lists of unread outputs, and errors
         self._merge = merge
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         items = self._items
-        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
-            items[-1] = self._merge(items[-1], item)
-        else:
+        if isinstance(item, BaseException):
             items.append(item)
+        elif items and isinstance(items[-1], list):
+            items[-1].append(item)
+        else:
+            items.append([item])
         self._ready.set()
 
     async def get(self) -> RequestOutput | BaseException:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        return self._items.popleft()
+        item = self._items.popleft()
+        return item if isinstance(item, BaseException) else self._merge(item)
 
 
-def _merge_for(params) -> Callable[[RequestOutput, RequestOutput], RequestOutput]:
-    """How two unread outputs of a request with ``params`` become one: deltas joined
+def _merge_for(params) -> Callable[[list[RequestOutput]], RequestOutput]:
+    """How unread outputs of a request with ``params`` become one: deltas joined
     (:func:`engine.outputs.joined_deltas`); otherwise (cumulative, final only, beam search)
-    the later, which holds everything the earlier does."""
+    the last, which holds everything the ones before do."""
     if getattr(params, "output_kind", None) is RequestOutputKind.DELTA:
         return joined_deltas
-    return lambda earlier, later: later
+    return operator.itemgetter(-1)
 
 
 def _put_all(items: list[tuple[str, _Stream, object]]) -> None:

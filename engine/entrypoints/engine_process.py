@@ -19,11 +19,15 @@ engine falls idle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import multiprocessing
+import pickle
+import queue
 import signal
+import sys
 import threading
 import time
 
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 
 STATS_SECONDS = 0.2  # the longest the scheduler's numbers for /metrics go unsent while requests run
 START_SECONDS = 3600  # the longest the child may take to load and warm up before the server gives up
+READ_BATCH = 64  # the most messages the parent's reader delivers in one go
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +82,19 @@ class EngineView:
                                   grammars=self.grammars, max_logprobs=self.config.max_logprobs)
 
 
+class EngineStartError(RuntimeError):
+    """The engine process died or hung before its engine was ready (its log says why)."""
+
+
 class EngineProcess(EngineClient):
     """``AsyncLLMEngine``'s interface (``generate``, ``abort``, ``shutdown``, ``is_healthy``,
     ``error``, ``snapshot``, and ``engine``: an :class:`EngineView`) over an engine built from
     ``config`` in a child process. Raises what ``LLMEngine(config)`` raised there (a model
-    that cannot load, a bad setting), or RuntimeError if the child died before it was ready."""
+    that cannot load, a bad setting), or :class:`EngineStartError`.
+
+    Two threads of this process talk to the child: one sends what :meth:`_send` queues (so a
+    large prompt never blocks the caller's event loop on a full pipe), one reads its outputs
+    (:meth:`_read`); neither waits on the other."""
 
     def __init__(self, config: EngineConfig):
         super().__init__()
@@ -93,32 +106,33 @@ class EngineProcess(EngineClient):
         self._process.start()
         requests_out.close()
         outputs_in.close()
-        self._requests, self._outputs, self._send_lock = requests_in, outputs_out, threading.Lock()
+        self._requests, self._outputs, self._outbox = requests_in, outputs_out, queue.Queue()
         self._prompts: dict[str, tuple] = {}  # per running request: (prompt text, prompt token ids)
         try:
             self.engine, self.snapshot = self._started()
         except BaseException:
-            requests_in.close()
-            outputs_out.close()
+            self._close()
             raise
-        self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
-        self._reader.start()
+        self._threads = [threading.Thread(target=self._write, name="engine-requests", daemon=True),
+                         threading.Thread(target=self._read, name="engine-outputs", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _started(self) -> tuple[EngineView, EngineSnapshot]:
         """The child's view of its engine once it is ready, or what stopped it."""
         try:
             if not self._outputs.poll(START_SECONDS):
-                raise RuntimeError(f"the engine process did not start within {START_SECONDS} s")
+                raise EngineStartError(f"the engine process did not start within {START_SECONDS} s")
             kind, *payload = self._outputs.recv()
-        except EOFError:
+        except (EOFError, OSError):
             kind, payload = "died", []
         if kind == "ready":
             return payload[0], payload[1]
         self._process.join(timeout=10)
         if kind == "refused":
             raise payload[0]
-        raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode}); "
-                           "its log says why")
+        raise EngineStartError(f"the engine process exited while starting (exit code {self._process.exitcode}); "
+                               "its log says why")
 
     @property
     def is_healthy(self) -> bool:
@@ -129,52 +143,76 @@ class EngineProcess(EngineClient):
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.terminate()
-        self._reader.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._close()
+
+    def _close(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._requests.close()
+        self._outputs.close()
 
     def _send(self, message) -> None:
-        try:
-            with self._send_lock:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """Send each queued message to the child until STOP, or until the child is gone (the
+        reader then fails every stream)."""
+        while True:
+            message = self._outbox.get()
+            try:
                 self._requests.send(message)
-        except OSError as error:  # the child is gone: nothing left to abort or stop
-            if isinstance(message, Add):
-                raise RuntimeError(f"the engine has stopped: {self.error or error}") from error
+            except (OSError, ValueError):  # the child, or the pipe, is gone
+                return
+            if message is STOP:
+                return
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self._prompts.pop(request_id, None)
 
     def _read(self) -> None:
-        """Hand the outputs of every message waiting to their streams, until the child stops;
-        if it died, every stream gets the error. Each wake-up drains the pipe, so that the
-        child's sends never wait on this thread's turn at the interpreter lock for long."""
-        while True:
-            try:
-                messages = [self._outputs.recv()]
-                while self._outputs.poll():
-                    messages.append(self._outputs.recv())
-            except (EOFError, OSError):
-                self._stopped()
-                return
-            deliveries = []
-            for kind, *payload in messages:
-                if kind == "failed":
-                    self._deliver_all(deliveries)
-                    deliveries = []
-                    self._failed(RuntimeError(payload[0]))
-                    continue
-                wires, snapshot = payload
-                if snapshot is not None:
-                    self.snapshot = snapshot
-                deliveries.extend(self._delivery(*wire) for wire in wires)
-            self._deliver_all(deliveries)
-
-    def _stopped(self) -> None:
-        """The child's end of the pipe closed: after a shutdown, or because it died."""
+        """Hand each batch of the child's outputs to their streams until it stops; then, or if
+        anything here fails, every stream still open gets the error."""
+        try:
+            while self._read_batch():
+                pass
+        except BaseException as error:  # a reader that dies must not leave streams waiting
+            log.exception("reading the engine process's outputs failed")
+            self._failed(error)
+            if self._process.is_alive():
+                self._process.terminate()
+            return
         self._process.join(timeout=5)
-        if self.error is None:
-            code = self._process.exitcode
-            self._failed(RuntimeError("the engine process stopped" if code in (0, None)
-                                      else f"the engine process exited (exit code {code})"))
+        code = self._process.exitcode
+        self._failed(self.error or RuntimeError("the engine process stopped" if code in (0, None)
+                                                else f"the engine process exited (exit code {code})"))
+
+    def _read_batch(self) -> bool:
+        """Deliver the messages waiting (up to :data:`READ_BATCH`: each wake-up drains the pipe,
+        so the child's sends do not wait on this thread's turns at the interpreter lock);
+        False once the child's end is closed (what came before it is delivered)."""
+        messages, open_ = [], True
+        try:
+            messages.append(self._outputs.recv())
+            while len(messages) < READ_BATCH and self._outputs.poll():
+                messages.append(self._outputs.recv())
+        except (EOFError, OSError):
+            open_ = False
+        deliveries = []
+        for kind, *payload in messages:
+            if kind == "failed":
+                self._deliver_all(deliveries)
+                deliveries = []
+                self._failed(RuntimeError(payload[0]))
+                continue
+            wires, snapshot = payload
+            if snapshot is not None:
+                self.snapshot = snapshot
+            deliveries.extend(self._delivery(*wire) for wire in wires)
+        self._deliver_all(deliveries)
+        return open_
 
     def _delivery(self, request_id: str, item, last: bool) -> Delivery:
         """A delivery as the child sent it (:func:`_wire_output`) with its ``RequestOutput`` made again."""
@@ -182,6 +220,8 @@ class EngineProcess(EngineClient):
             prompt, completions, finished, prompt_logprobs, error, metrics, cached = item
             if prompt is not None and request_id in self._streams:
                 self._prompts[request_id] = prompt
+                if request_id not in self._streams:  # aborted meanwhile (abort pops the stream first)
+                    self._prompts.pop(request_id, None)
             text, ids = prompt if prompt is not None else self._prompts.get(request_id, (None, ()))
             item = RequestOutput(request_id, text, ids, tuple(CompletionOutput(*c) for c in completions), finished,
                                  prompt_logprobs, error, None if metrics is None else RequestMetrics(*metrics), cached)
@@ -202,59 +242,88 @@ def _wire_output(output: RequestOutput, with_prompt: bool) -> tuple:
             output.num_cached_tokens)
 
 
+def _wire_error(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (the usual case: the engine's own errors); otherwise a
+    RuntimeError saying what it was, so that one odd error cannot stop the child's sends."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def serve_engine(config: EngineConfig, requests, outputs, log_level: int = logging.INFO) -> None:
     """The child's main: build the engine, say it is ready (or why it is not), then run its
-    loop on the messages from ``requests``, each round's deliveries sent to ``outputs`` in one
-    message, logging at the parent's ``log_level``. Ctrl-C is the parent's to handle: it stops
-    the child (``STOP``), and a parent that dies closes the pipe, which stops it too."""
+    loop (:class:`_Child`), logging at the parent's ``log_level``. Ctrl-C is the parent's to
+    handle: it stops the child (``STOP``); a parent that dies closes the pipe, which stops it too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
     except Exception as error:  # the parent raises it: a model that cannot load, a bad setting
-        outputs.send(("refused", error))
+        outputs.send(("refused", _wire_error(error)))
         return
     outputs.send(("ready", EngineView.of(engine), EngineSnapshot.of(engine).detached()))
-    pending: list[Delivery] = []
-    sent_stats = [time.monotonic()]
-    prompt_sent: set[str] = set()  # requests whose prompt went with an output
+    if not _Child(engine, requests, outputs).run():
+        sys.exit(1)
 
-    def deliver(deliveries: list[Delivery]) -> None:
+
+class _Child:
+    """The engine's loop in the child: messages from ``requests``, each round's deliveries
+    (outputs as :func:`_wire_output` tuples) and, now and then, the scheduler's numbers sent to
+    ``outputs`` in one message."""
+
+    def __init__(self, engine: LLMEngine, requests, outputs):
+        self.engine, self.requests, self.outputs = engine, requests, outputs
+        self.loop = EngineLoop(engine, self.deliver)
+        self.pending: list[Delivery] = []
+        self.prompt_sent: set[str] = set()  # requests whose prompt went with an output
+        self.stats_sent = time.monotonic()
+
+    def run(self) -> bool:
+        """Until STOP; False if the loop failed (the parent is told, and every live request)."""
+        try:
+            self.loop.run(self.receive, changed=self.flush)
+            return True
+        except BaseException as error:
+            log.exception("engine loop failed")
+            with contextlib.suppress(Exception):
+                self.loop.fail_all(error)
+                self.flush()
+                self.outputs.send(("failed", f"{type(error).__name__}: {error}"))
+            return False
+
+    def deliver(self, deliveries: list[Delivery]) -> None:
         for request_id, item, last in deliveries:
             if isinstance(item, RequestOutput):
-                item = _wire_output(item, request_id not in prompt_sent)
-                prompt_sent.add(request_id)
+                item = _wire_output(item, request_id not in self.prompt_sent)
+                self.prompt_sent.add(request_id)
+            elif isinstance(item, BaseException):
+                item = _wire_error(item)
             if last:
-                prompt_sent.discard(request_id)
-            pending.append((request_id, item, last))
+                self.prompt_sent.discard(request_id)
+            self.pending.append((request_id, item, last))
 
-    def receive(block: bool) -> list:
+    def receive(self, block: bool) -> list:
         messages = []
         try:
-            if requests.poll(IDLE_WAIT_SECONDS if block else 0):
-                messages.append(requests.recv())
-                while messages[-1] is not STOP and requests.poll():
-                    messages.append(requests.recv())
+            if self.requests.poll(IDLE_WAIT_SECONDS if block else 0):
+                messages.append(self.requests.recv())
+                while messages[-1] is not STOP and self.requests.poll():
+                    messages.append(self.requests.recv())
         except (EOFError, OSError):  # the parent is gone
             messages.append(STOP)
+        for message in messages:
+            if isinstance(message, Add):  # (an id used again after an abort gets its prompt sent again)
+                self.prompt_sent.discard(message.request_id)
         return messages
 
-    def flush() -> None:
-        now = time.monotonic()
-        stats = None
-        if not engine.has_unfinished_requests() or now - sent_stats[0] >= STATS_SECONDS:
-            stats, sent_stats[0] = EngineSnapshot.of(engine).detached(), now
-        if pending or stats is not None:
-            outputs.send(("outputs", list(pending), stats))
-            pending.clear()
-        if len(prompt_sent) > 2 * len(loop.live) + 64:  # forget aborted requests
-            prompt_sent.intersection_update(loop.live)
-
-    loop = EngineLoop(engine, deliver)
-    try:
-        loop.run(receive, changed=flush)
-    except BaseException as error:
-        log.exception("engine loop failed")
-        loop.fail_all(error)
-        flush()
-        outputs.send(("failed", f"engine failed: {error}"))
+    def flush(self) -> None:
+        stats, now = None, time.monotonic()
+        if not self.engine.has_unfinished_requests() or now - self.stats_sent >= STATS_SECONDS:
+            stats, self.stats_sent = EngineSnapshot.of(self.engine).detached(), now
+        if self.pending or stats is not None:
+            self.outputs.send(("outputs", list(self.pending), stats))
+            self.pending.clear()
+        if len(self.prompt_sent) > 2 * len(self.loop.live) + 64:  # forget aborted requests
+            self.prompt_sent.intersection_update(self.loop.live)

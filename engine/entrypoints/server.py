@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import DTYPES, EngineConfig
 from engine.entrypoints import routes
 from engine.entrypoints.async_engine import AsyncLLMEngine, EngineClient
-from engine.entrypoints.engine_process import EngineProcess
+from engine.entrypoints.engine_process import EngineProcess, EngineStartError
 from engine.entrypoints.metrics import Metrics
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import RequestError, error_body
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = engine_config(args)
         engine = EngineProcess(config) if args.engine_process else AsyncLLMEngine(LLMEngine(config))
-    except (ModelLoadError, ValueError) as error:  # what to change, in one line; no traceback
+    except (ModelLoadError, ValueError, EngineStartError) as error:  # what to change, in one line; no traceback
         sys.exit(f"error: {error}")
     names = args.served_model_name or [model_name(args) or DEFAULT_MODEL_NAME]
     app = create_app(engine, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,

@@ -72,13 +72,16 @@ def _assert_same(got, expected) -> None:
             assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
 
 
-def _all_blocks_free(engine, timeout: float = 30) -> bool:
-    """Whether the engine's snapshot shows every device block free within ``timeout`` (the
-    child sends its numbers when it falls idle)."""
+def _all_blocks_free(engine, since: float, timeout: float = 30) -> bool:
+    """Whether a snapshot of the engine taken after ``since`` (``time.time()`` before the
+    requests in question were sent) shows every device block free and no request running or
+    waiting, within ``timeout`` (the child sends its numbers when it falls idle)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        blocks = engine.snapshot.scheduler.blocks
-        if blocks.device_blocks_free == blocks.device_blocks_total and not engine.snapshot.scheduler.num_running:
+        snapshot = engine.snapshot
+        blocks = snapshot.scheduler.blocks
+        if (snapshot.time > since and blocks.device_blocks_free == blocks.device_blocks_total
+                and not snapshot.scheduler.num_running and not snapshot.scheduler.num_waiting):
             return True
         time.sleep(0.05)
     return False
@@ -101,6 +104,7 @@ def test_outputs_equal_the_engine_in_process(model, process):
         return await asyncio.gather(*(_outputs(process, p, c, f"case-{i}")
                                       for i, (p, c) in enumerate(zip(inputs, cases))))
 
+    start = time.time()
     got = asyncio.run(asyncio.wait_for(every(), 120))
     for prompt, params, outputs in zip(inputs, cases, got):
         if isinstance(params, BeamSearchParams):
@@ -115,7 +119,7 @@ def test_outputs_equal_the_engine_in_process(model, process):
             assert (a is None and b is None) or list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
         assert [o.finished for o in outputs][-1] and not any(o.finished for o in outputs[:-1])
         assert outputs[-1].metrics.first_token_time >= outputs[-1].metrics.arrival_time
-    assert _all_blocks_free(process)
+    assert _all_blocks_free(process, since=start)
 
 
 def test_a_refused_request_raises_its_error_and_the_engine_keeps_serving(model, process):
@@ -130,22 +134,53 @@ def test_a_refused_request_raises_its_error_and_the_engine_keeps_serving(model, 
     assert process.is_healthy
 
 
-def test_an_abandoned_stream_frees_every_block(model, process):
-    """A reader that stops (a client that disconnects) aborts its request in the child."""
-    prompt = prompts(1, model[2].vocab_size, seed=52)[0]
+def test_an_abandoned_stream_frees_every_block_and_its_id_can_run_again(model, process):
+    """A reader that stops (a client that disconnects) aborts its request in the child; a new
+    request under the same id then gets its own prompt and outputs."""
+    prompt, again = prompts(2, model[2].vocab_size, seed=52)
     params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=100, ignore_eos=True, output_kind=DELTA)
+    before = process.snapshot.generation_tokens
 
     async def two_then_stop():
         async with contextlib.aclosing(process.generate(prompt, params, "abandoned")) as outputs:
             return [await anext(outputs), await anext(outputs)]
 
+    start = time.time()
     assert len(asyncio.run(two_then_stop())) == 2
-    assert _all_blocks_free(process)
-    assert process.snapshot.generation_tokens < 2 * 100  # it stopped part-way
+    assert _all_blocks_free(process, since=start)
+    assert process.snapshot.generation_tokens - before < 2 * 100  # it stopped part-way
+    outputs = asyncio.run(_outputs(process, again, SamplingParams(max_tokens=3, ignore_eos=True), "abandoned"))
+    assert all(o.prompt_token_ids == tuple(again) for o in outputs) and len(outputs[-1].outputs[0].token_ids) == 3
+
+
+def test_an_id_already_running_is_refused(process):
+    async def both():
+        first = process.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), "twice")
+        async with contextlib.aclosing(first):
+            await anext(first)
+            with pytest.raises(InvalidRequestError, match="already running"):
+                await anext(process.generate([8, 9], SamplingParams(max_tokens=2), "twice"))
+            return [output async for output in first]
+
+    assert asyncio.run(asyncio.wait_for(both(), 60))[-1].finished
+
+
+def test_a_prompt_larger_than_the_pipe_does_not_hold_up_the_others(process):
+    """A prompt of 30,000 token ids (more than a pipe holds at once) is sent from a thread of
+    its own: the caller's event loop goes on, and the engine refuses it for its length."""
+    async def both():
+        huge = asyncio.ensure_future(_outputs(process, [5] * 30_000, SamplingParams(max_tokens=2), "huge"))
+        small = await _outputs(process, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), "small")
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await huge
+        return small
+
+    assert len(asyncio.run(asyncio.wait_for(both(), 60))[-1].outputs[0].token_ids) == 4
 
 
 def test_the_server_answers_and_counts_through_an_engine_process(process):
     client = TestClient(create_app(process, ["tiny"]))
+    start, before = time.time(), process.snapshot.generation_tokens
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     whole = client.post("/v1/completions", json=body).json()
     assert whole["usage"]["completion_tokens"] == 6
@@ -154,10 +189,11 @@ def test_the_server_answers_and_counts_through_an_engine_process(process):
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 6
     assert client.get("/health").status_code == 200
-    assert _all_blocks_free(process)
-    metrics = client.get("/metrics").text
+    assert _all_blocks_free(process, since=start)
+    metrics = client.get("/metrics").text  # (the app's counters start at this engine's first snapshot)
     generated = [line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total")]
-    assert generated and float(generated[0].split()[-1]) >= 12
+    assert generated and float(generated[0].split()[-1]) == process.snapshot.generation_tokens
+    assert process.snapshot.generation_tokens - before == 12
 
 
 def test_a_dead_engine_process_fails_its_streams_and_the_health_check(model):
