@@ -14,7 +14,9 @@ The child is started with ``spawn`` (JAX does not survive a fork) and builds the
 reads of the engine (its tokenizer, limits, sampling defaults, the checks a request must
 pass before it streams) comes back once as an :class:`EngineView`; the scheduler's numbers
 for ``/metrics`` come with the outputs, at most every :data:`STATS_SECONDS` and whenever the
-engine falls idle.
+engine falls idle. A request is checked here and again by the child's ``add_request``, so a
+structured output's grammar compiles in both processes (in the child, on the engine's loop,
+as it does with the thread when the server has not checked it first).
 """
 
 from __future__ import annotations

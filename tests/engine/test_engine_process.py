@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import time
 
 import httpx
@@ -17,7 +18,8 @@ from fastapi.testclient import TestClient
 from engine import BeamSearchParams, SamplingParams
 from engine.config import EngineConfig
 from engine.core.scheduler import InvalidRequestError
-from engine.entrypoints.engine_process import EngineProcess
+from engine.entrypoints.engine_loop import Add
+from engine.entrypoints.engine_process import EngineProcess, _Child
 from engine.entrypoints.server import create_app
 from engine.sampling_params import RequestOutputKind
 from models.config import ModelLoadError
@@ -228,3 +230,31 @@ def test_python_m_engine_serve_with_an_engine_process(model):
         response = httpx.post(url + "/v1/completions", timeout=60, json={
             "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 6
+
+
+class _Crash(BaseException):
+    """What an engine step might die of that is not an Exception (the loop's own failures)."""
+
+
+def test_a_loop_that_dies_tells_its_requests_and_the_parent(model, monkeypatch):
+    """The child's side, run here on the module's engine: a step that dies of a BaseException
+    ends the loop; each live request gets the error, then the parent hears why, and the
+    child's run says it failed (its exit code is 1)."""
+    engine = model[1].engine
+    requests_out, requests_in = multiprocessing.Pipe(duplex=False)
+    outputs_out, outputs_in = multiprocessing.Pipe(duplex=False)
+    requests_in.send(Add("doomed", [5, 6, 7], SamplingParams(max_tokens=4)))
+
+    def crash():
+        raise _Crash("the device went away")
+
+    monkeypatch.setattr(engine, "step", crash)
+    try:
+        assert not _Child(engine, requests_out, outputs_in).run()
+    finally:
+        monkeypatch.undo()
+        engine.abort_request("doomed")
+    (kind, deliveries, _), failed = outputs_out.recv(), outputs_out.recv()
+    assert kind == "outputs" and [(r, type(e), last) for r, e, last in deliveries] == [("doomed", RuntimeError, True)]
+    assert "the device went away" in str(deliveries[0][1])
+    assert failed == ("failed", "_Crash: the device went away") and not outputs_out.poll()
