@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving [--quick] [--sharegpt-rates 0.25 0.5 1] [--alpaca-rates 1 2 4 8]
         [--num-scheduler-steps K]   # results in serving_steps{K}[_quick].* when K > 1
+        [--engine-process]          # the server's engine in a process of its own: serving_process*
 
 Starts ``python -m engine.serve`` on a free loopback port (with the KV memory and budgets of
 the offline benchmarks), then, per trace and request rate, sends the trace's requests at
@@ -51,11 +52,11 @@ class Timing:
         return (self.end - self.ttft) / max(self.tokens - 1, 1)
 
 
-def server_args(scale: offline.Scale, num_scheduler_steps: int = 1) -> list[str]:
+def server_args(scale: offline.Scale, num_scheduler_steps: int = 1, engine_process: bool = False) -> list[str]:
     return ["--max-model-len", str(scale.max_model_len), "--num-blocks", str(scale.kv_tokens // 16),
             "--max-num-seqs", str(scale.max_num_seqs), "--max-num-batched-tokens", str(scale.max_num_batched_tokens),
             "--swap-space", "1", "--no-enable-prefix-caching",  # as the paper's vLLM
-            "--num-scheduler-steps", str(num_scheduler_steps)]
+            "--num-scheduler-steps", str(num_scheduler_steps)] + (["--engine-process"] if engine_process else [])
 
 
 async def send(client: openai.AsyncOpenAI, prompt: list[int], output_len: int, at: float, origin: float) -> Timing:
@@ -126,21 +127,25 @@ def main():
     parser.add_argument("--sharegpt-rates", type=float, nargs="+")
     parser.add_argument("--alpaca-rates", type=float, nargs="+")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="the server's multi-step decode")
+    parser.add_argument("--engine-process", action="store_true", help="the server's engine in a process of its own")
     args = parser.parse_args()
     scale = offline.scale(args.quick)
     rates = RATES[args.quick] | {name: getattr(args, f"{name}_rates") for name in scale.requests
                                  if getattr(args, f"{name}_rates")}
     note = (f"float32; KV memory {scale.kv_tokens} tokens, max_model_len {scale.max_model_len}; "
-            f"num_scheduler_steps {args.num_scheduler_steps}; {offline.machine_note()}.")
+            f"num_scheduler_steps {args.num_scheduler_steps}; engine "
+            f"{'in a process of its own (--engine-process)' if args.engine_process else 'on a thread'}; "
+            f"{offline.machine_note()}.")
     rows = []
-    with running_server(*server_args(scale, args.num_scheduler_steps)) as url:
+    with running_server(*server_args(scale, args.num_scheduler_steps, args.engine_process)) as url:
         for name, count in scale.requests.items():
             for rate in rates[name]:
                 trace = workloads.trace(name, count, vocab_size=VOCAB_SIZE, rate=rate, max_len=scale.max_model_len)
                 rows.append(summarise(trace, rate, *asyncio.run(replay(url, trace))))
                 print(f"{name} at {rate} req/s: normalised latency {rows[-1][-1]:.3f} s/token", flush=True)
     k = args.num_scheduler_steps
-    name = result_name("serving" if k == 1 else f"serving_steps{k}", args.quick)
+    name = "serving" + (f"_steps{k}" if k > 1 else "") + ("_process" if args.engine_process else "")
+    name = result_name(name, args.quick)
     save_text(f"{note}\n\n{print_table(HEADERS, rows)}", name)
     print(f"wrote {plot(rows, name)}")
 

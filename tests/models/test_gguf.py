@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import gguf
 import jax
@@ -14,6 +16,7 @@ from tiny_models import write_checkpoint
 
 import models
 from engine import LLM
+from models import gguf_cache
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches
 from tests.hf_torch import load_hf_model, require_torch
 
@@ -99,6 +102,37 @@ def test_second_load_reads_the_converted_copy(tmp_path, converted_copies_in, mon
     second = models.load_model(path)
     assert second.config == first.config
     jax.tree.map(np.testing.assert_array_equal, second.params, first.params)
+
+
+def test_the_same_file_elsewhere_reads_the_same_copy_and_old_copies_go(tmp_path, converted_copies_in, monkeypatch):
+    """A GGUF installed again in another environment (another path, a new mtime) finds its
+    converted copy; copies of other files of that name beyond the two most recently used are
+    deleted when a new one is written, so reinstalls and upgrades do not fill the disk."""
+    write_checkpoint("llama_gqa_tied", tmp_path / "hf")
+    original = tmp_path / "one" / "tiny.gguf"
+    original.parent.mkdir()
+    _write_gguf(tmp_path / "hf", original)
+    models.load_model(original)
+    elsewhere = tmp_path / "two" / "tiny.gguf"
+    elsewhere.parent.mkdir()
+    shutil.copy(original, elsewhere)  # a new path and modification time
+    copies = converted_copies_in / "models"
+    assert gguf_cache.entry(elsewhere) == gguf_cache.entry(original) and len(list(copies.iterdir())) == 1
+
+    stale = [copies / f"tiny-{i:016x}" for i in range(3)]  # older copies of other files named tiny.gguf
+    for age, copy in enumerate(stale):
+        copy.mkdir()
+        os.utime(copy, (1000 + age, 1000 + age))
+    other = copies / "tiny-other-0000000000000000"  # another file's name
+    other.mkdir()
+    os.utime(other, (1, 1))
+    edited = tmp_path / "three" / "tiny.gguf"
+    edited.parent.mkdir()
+    edited.write_bytes(original.read_bytes() + b"\0" * 32)  # another file: converted afresh
+    models.load_model(edited)
+    assert sorted(path.name for path in copies.iterdir()) == sorted(
+        [gguf_cache.entry(edited).name, gguf_cache.entry(original).name, other.name])
+
 
 
 def test_default_gguf_tokenizer_is_the_one_transformers_builds():
