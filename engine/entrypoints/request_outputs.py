@@ -23,13 +23,15 @@ async def merged(engine: EngineClient, plans, prefix: str, on_finished: OnFinish
     """Outputs of every planned request (``plans``: (token ids, params) each) as they come,
     tagged with the plan's index (:func:`outputs_of` each). Closing this iterator aborts every
     request still running. One plan, the common case, is read straight from its stream; several
-    are pumped into one queue by a task each."""
+    are pumped into one queue by a task each, a queue that holds one output per plan: a pump
+    waits while the reader is behind, so its stream merges what comes meanwhile, as a single
+    plan's does."""
     if len(plans) == 1:
         async with contextlib.aclosing(outputs_of(engine, *plans[0], prefix, on_finished, shown)) as outputs:
             async for output in outputs:
                 yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(plans))
 
     async def pump(index, ids, params):
         try:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 
 import pytest
 
 from engine import SamplingParams
+from engine.entrypoints import request_outputs
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import CompletionRequest, RequestError
@@ -162,3 +164,31 @@ def test_a_reader_that_falls_behind_gets_what_it_missed_in_one_output(llm_and_co
     assert outputs[0].prompt_logprobs == expected.prompt_logprobs
     stats = llm.cache_stats()
     assert stats.device_blocks_free == stats.device_blocks_total
+
+
+def test_a_response_of_several_prompts_that_falls_behind_gets_them_merged(llm_and_config):
+    """Several prompts of one response are pumped to it through a queue that holds one output
+    per prompt, so a reader that falls behind gets each prompt's missed outputs merged too."""
+    llm, config = llm_and_config
+    plans = [(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+             for p in prompts(2, config.vocab_size, seed=42)]
+    expected = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in plans], plans[0][1], use_tqdm=False)]
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def read():
+        got = {0: [], 1: []}
+        async with contextlib.aclosing(request_outputs.merged(engine, plans, "cmpl", lambda *_: None)) as outputs:
+            async for index, output in outputs:
+                got[index].append(output.outputs[0].token_ids if output.outputs else ())
+                if sum(map(len, got.values())) == 2:
+                    await asyncio.sleep(1.0)  # the engine ends both meanwhile
+        return got
+
+    try:
+        got = asyncio.run(asyncio.wait_for(read(), 60))
+    finally:
+        engine.shutdown()
+    assert [sum(got[i], ()) for i in (0, 1)] == expected
+    # Through the pause each prompt had at most one output in the queue, one in its pump's
+    # hands, and the rest merged in its stream (pumps that drained their streams sent 34-38).
+    assert sum(map(len, got.values())) <= 2 + 2 * 3
