@@ -31,6 +31,14 @@ async def _tokens(engine: AsyncLLMEngine, prompt, params, request_id: str):
     return last.outputs[0].token_ids
 
 
+def _run_then_stop(engine: AsyncLLMEngine, read):
+    """``read()`` run to its end (within a minute), then the engine's loop stopped."""
+    try:
+        return asyncio.run(asyncio.wait_for(read(), 60))
+    finally:
+        engine.shutdown()
+
+
 def test_a_failed_step_fails_its_request_and_the_loop_keeps_serving(llm_and_config, monkeypatch):
     llm, config = llm_and_config
     prompt = prompts(1, config.vocab_size, seed=40)[0]
@@ -145,10 +153,7 @@ def test_a_reader_that_falls_behind_gets_what_it_missed_in_one_output(llm_and_co
                 await asyncio.sleep(0.3)  # the engine goes on meanwhile
         return outputs
 
-    try:
-        outputs = asyncio.run(asyncio.wait_for(read(), 60))
-    finally:
-        engine.shutdown()
+    outputs = _run_then_stop(engine, read)
     assert len(outputs) < params.max_tokens  # some came merged
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     if kind is RequestOutputKind.CUMULATIVE:
@@ -184,10 +189,7 @@ def test_a_response_of_several_prompts_that_falls_behind_gets_them_merged(llm_an
                     await asyncio.sleep(1.0)  # the engine ends both meanwhile
         return got
 
-    try:
-        got = asyncio.run(asyncio.wait_for(read(), 60))
-    finally:
-        engine.shutdown()
+    got = _run_then_stop(engine, read)
     assert [sum(got[i], ()) for i in (0, 1)] == expected
     # Through the pause each prompt had at most one output in the queue, one in its pump's
     # hands, and the rest merged in its stream (pumps that drained their streams sent 34-38).
