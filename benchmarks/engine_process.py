@@ -11,7 +11,7 @@ request to the last event: tokens/s delivered (N times the tokens each, over the
 median over ``rounds`` passes per N after a compiling one. Greedy, ``ignore_eos``, prompts of
 32 random tokens, warm-up on (a server's default), ``max_num_seqs`` the largest N.
 
-Model: on a CPU, ``host_overhead``'s tiny random LLaMA with SmolLM2's tokenizer (texts
+Model: on a CPU, ``tiny_workload``'s tiny random LLaMA with SmolLM2's tokenizer (texts
 streamed), 64 tokens each; with ``--gpu``, random bfloat16 weights in Llama-3.2-1B's shape
 (``gpu_throughput``; token ids only, no tokenizer), 128 tokens each, N=256, into
 ``benchmarks/results/gpu_engine_process.md``. Each mode runs in a fresh subprocess of its own
@@ -46,7 +46,7 @@ def write_model(directory: pathlib.Path, gpu: bool, quick: bool) -> None:
         from benchmarks.gpu_throughput import model_config, write_checkpoint
         write_checkpoint(model_config("llama-3.2-1b", quick=quick), directory)
     else:
-        from benchmarks.host_overhead import write_model as write_tiny
+        from benchmarks.tiny_workload import write_model as write_tiny
         write_tiny(directory)
 
 

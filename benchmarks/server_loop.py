@@ -11,7 +11,7 @@ a snapshot for ``/metrics``; each request's handler turns its outputs (deltas, `
 into the server-sent events of an OpenAI completion stream
 (``OpenAIServing.completion_stream``, with ``stream_options.include_usage``). This measures that loop with the same tiny
 model and requests (N prompts of 32 random tokens, 64 greedy tokens each, all submitted at once,
-``host_overhead.engine_settings``), one step per dispatch, with text (``host_overhead.write_model``:
+``tiny_workload.engine_settings``), one step per dispatch, with text (``tiny_workload.write_model``:
 SmolLM2's tokenizer beside the tiny model), as a server's streams have it.
 
 Per step of the engine thread in which all N sequences decode: the whole step
@@ -39,7 +39,9 @@ import time
 import numpy as np
 
 from benchmarks.gpu_report import header
-from benchmarks.host_overhead import (
+from benchmarks.provenance import machine, revision
+from benchmarks.timing import print_table, result_name, save_text
+from benchmarks.tiny_workload import (
     MODEL,
     OUTPUT_TOKENS,
     TOKENIZER,
@@ -48,8 +50,6 @@ from benchmarks.host_overhead import (
     random_prompts,
     write_model,
 )
-from benchmarks.provenance import machine, revision
-from benchmarks.timing import print_table, result_name, save_text
 from engine import LLM
 from engine.entrypoints.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai_serving import OpenAIServing

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import host_overhead, timing
+from benchmarks import host_overhead, timing, tiny_workload
 
 
 @pytest.fixture
@@ -44,9 +44,9 @@ def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
 def test_a_pass_times_only_the_steps_in_which_every_sequence_decodes(tmp_path):
     from tests.models.tiny_models import write_checkpoint
 
-    write_checkpoint(host_overhead.MODEL, tmp_path)
-    llm = host_overhead.LLM(str(tmp_path), **host_overhead.engine_settings(3, 5))
-    run = host_overhead.run_pass(llm, host_overhead.random_prompts(3, 256, seed=0), "sampled", 5)
+    write_checkpoint(tiny_workload.MODEL, tmp_path)
+    llm = tiny_workload.LLM(str(tmp_path), **tiny_workload.engine_settings(3, 5))
+    run = tiny_workload.run_pass(llm, tiny_workload.random_prompts(3, 256, seed=0), "sampled", 5)
     # One prefill step (3 x 32 tokens fit one step), then 4 steps in which every sequence
     # decodes, the last of them ending all three: one token per sequence each.
     assert len(run.all_seconds) == 5 and len(run.decode_seconds) == 4 and run.decode_tokens == [1.0] * 4
