@@ -22,7 +22,6 @@ streamed), 64 tokens each; with ``--gpu``, random bfloat16 weights in Llama-3.2-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import pathlib
@@ -36,7 +35,6 @@ import numpy as np
 COUNTS = {False: (64, 256, 512), True: (64, 256)}  # by --quick
 GPU_COUNT = 256  # --gpu: one N, so that both runs fit in a lent GPU's few minutes
 MODES = ("thread", "process")
-PROMPT_TOKENS = 32
 
 
 def write_model(directory: pathlib.Path, gpu: bool, quick: bool) -> None:
@@ -50,27 +48,18 @@ def write_model(directory: pathlib.Path, gpu: bool, quick: bool) -> None:
         write_tiny(directory)
 
 
-async def _stream(serving, prompt: list[int], output_tokens: int) -> int:
-    """One streamed completion, its events taken; the tokens its usage chunk reports."""
-    from engine.entrypoints.protocol import CompletionRequest
-    request = CompletionRequest(prompt=prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True,
-                                stream=True, stream_options={"include_usage": True})
-    events = [event async for event in serving.completion_stream(request)]
-    return json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"]
-
-
 def run_mode(mode: str, directory: pathlib.Path, counts: list[int], rounds: int, output_tokens: int) -> dict:
     """Seconds of each timed pass per N, with the engine on a thread (``thread``) or in a
     process of its own (``process``)."""
+    from benchmarks.server_loop import run_pass
+    from benchmarks.tiny_workload import engine_settings, random_prompts
     from engine.config import EngineConfig
     from engine.entrypoints.async_engine import AsyncLLMEngine
     from engine.entrypoints.engine_process import EngineProcess
     from engine.entrypoints.openai_serving import OpenAIServing
     from engine.llm_engine import LLMEngine
 
-    largest, model_len = max(counts), PROMPT_TOKENS + output_tokens
-    config = EngineConfig(model=str(directory), max_model_len=model_len, max_num_seqs=largest,
-                          num_blocks=largest * (-(-model_len // 16) + 1) + 16, seed=0)
+    config = EngineConfig(model=str(directory), **{**engine_settings(max(counts), output_tokens), "warmup": True})
     engine = EngineProcess(config) if mode == "process" else AsyncLLMEngine(LLMEngine(config))
     serving, seeds, seconds = OpenAIServing(engine, ["model"]), itertools.count(1), {}
     vocab_size = engine.engine.model_config.vocab_size
@@ -78,16 +67,8 @@ def run_mode(mode: str, directory: pathlib.Path, counts: list[int], rounds: int,
         for count in counts:
             seconds[count] = []
             for timed in [False] + [True] * rounds:  # the first compiles what the warm-up left out
-                rng = np.random.default_rng(next(seeds))
-                prompts = rng.integers(3, vocab_size, (count, PROMPT_TOKENS)).tolist()
-
-                async def every(prompts=prompts):
-                    return await asyncio.gather(*(_stream(serving, p, output_tokens) for p in prompts))
-
                 start = time.perf_counter()
-                got = asyncio.run(every())
-                if any(n != output_tokens for n in got):
-                    raise RuntimeError(f"{mode}: requests got {sorted(set(got))} tokens, not {output_tokens}")
+                run_pass(serving, random_prompts(count, vocab_size, next(seeds)), output_tokens)
                 if timed:
                     seconds[count].append(time.perf_counter() - start)
     finally:
@@ -153,6 +134,7 @@ def report(args, runs, counts, rounds, repeats, output_tokens, seconds: float) -
     from benchmarks.gpu_report import header, save
     from benchmarks.provenance import machine, revision
     from benchmarks.timing import print_table, result_name, save_text
+    from benchmarks.tiny_workload import PROMPT_TOKENS
     model = ("random bfloat16 weights in Llama-3.2-1B's shape (token ids only)" if args.gpu
              else "host_overhead's tiny random LLaMA, float32, with SmolLM2's tokenizer (texts streamed)")
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
