@@ -66,7 +66,7 @@ def prune(directory: Path, *, keep: int = KEPT_ENTRIES) -> None:
     stem = directory.name.rsplit("-", 1)[0]
     copies = []
     for copy in directory.parent.glob(f"{stem}-*"):
-        if copy.name.rsplit("-", 1)[0] == stem and not copy.name.startswith(".incomplete-"):
+        if copy.name.rsplit("-", 1)[0] == stem:  # (not another name that starts with this one)
             try:
                 copies.append((copy.stat().st_mtime, copy))
             except FileNotFoundError:  # another process pruned it meanwhile
