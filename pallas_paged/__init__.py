@@ -24,7 +24,7 @@ import os
 
 import jax
 
-from pallas_paged import decode, decode_tpu, lowering, native, ragged, tiling
+from pallas_paged import decode, decode_hopper, decode_tpu, lowering, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (
@@ -99,6 +99,55 @@ def _cpu_kernel(native_kernel, pallas_kernel, q, k_cache, scale):
     return functools.partial(pallas_kernel, scale=scale, tiling=tiling.CPU, interpret=True)
 
 
+def cuda_capability() -> float | None:
+    """The compute capability of this process's CUDA GPU (9.0 for an H100), or None without
+    one (a CPU exporting for ``cuda`` knows no generation)."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:  # no GPU backend
+        return None
+    try:
+        return float(getattr(device, "compute_capability", ""))
+    except ValueError:  # not CUDA's numbering (ROCm names its generations: gfx90a)
+        return None
+
+
+def gpu_decode_kernel(q, k_cache) -> str:
+    """Which kernel a CUDA decode of these arrays runs: ``"mosaic"`` (:mod:`decode_hopper`) or
+    ``"triton"`` (:mod:`decode`). ``PALLAS_PAGED_GPU_DECODE``: ``auto`` (the default) runs
+    Mosaic GPU where :data:`tiling.HOPPER` is enabled and the GPU is new enough; ``mosaic`` or
+    ``triton`` choose, whatever the GPU (``mosaic``: for the shapes it takes, see
+    :func:`decode_hopper.supports`; Triton for the others). Read when a function is traced."""
+    choice = os.environ.get("PALLAS_PAGED_GPU_DECODE", "auto")
+    if choice not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"PALLAS_PAGED_GPU_DECODE must be auto, mosaic or triton, not {choice!r}")
+    kv_heads, _, block_size, head_dim = k_cache.shape
+    fits = decode_hopper.supports(q.dtype, k_cache.dtype, q.shape[-2], kv_heads, head_dim, block_size,
+                                  tiling.HOPPER.keys_per_step)
+    if choice == "auto":
+        capability = cuda_capability()
+        choice = "mosaic" if tiling.HOPPER.enabled and capability and capability >= tiling.HOPPER.min_capability \
+            else "triton"
+    return "mosaic" if choice == "mosaic" and fits else "triton"
+
+
+def _cuda_decode(q, k_cache, scale):
+    """The decode a CUDA GPU runs (:func:`gpu_decode_kernel`), as a function of the op's arrays."""
+    if gpu_decode_kernel(q, k_cache) == "triton":
+        return functools.partial(decode.paged_attention, scale=scale, tiling=tiling.GPU, interpret=False)
+    return functools.partial(hopper_paged_attention, scale=scale)
+
+
+def hopper_paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, interpret=False):
+    """:func:`decode_hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits."""
+    hopper = tiling.HOPPER
+    steps = -(-block_tables.shape[1] * k_cache.shape[2] // hopper.keys_per_step)
+    splits = hopper.decode_splits(q.shape[0] * k_cache.shape[0], steps)
+    return decode_hopper.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+                                         keys_per_step=hopper.keys_per_step, stages=hopper.stages, splits=splits,
+                                         interpret=interpret)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
     """Decode attention: one query token per sequence, through block tables.
 
@@ -116,7 +165,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens,
         cpu=_cpu_kernel(native.paged_attention, decode.paged_attention, q, k_cache, scale),
-        cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        cuda=_cuda_decode(q, k_cache, scale),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.paged_attention, scale=scale, interpret=False),
     )

@@ -89,6 +89,36 @@ GPU_BEFORE_ISSUE_41 = dataclasses.replace(GPU, keys_per_step=16, target_programs
 
 
 @dataclasses.dataclass(frozen=True)
+class HopperDecode:
+    """The Mosaic GPU decode kernel's knobs (:mod:`pallas_paged.decode_hopper`).
+
+    keys_per_step: keys of one step's tile (whole blocks; a multiple of 64, a wgmma's width).
+    stages: tiles in shared memory at once, the next ones copying while one is computed.
+    splits: as :class:`Tiling`'s ``target_programs`` (flash-decoding when fewer programs).
+    min_capability: the oldest GPU generation that runs it (wgmma and TMA: Hopper, sm90).
+    enabled: whether such GPUs run it unless told otherwise (``PALLAS_PAGED_GPU_DECODE``).
+    """
+
+    keys_per_step: int
+    stages: int
+    target_programs: int
+    min_capability: float
+    enabled: bool
+
+    def decode_splits(self, programs: int, max_steps: int) -> int:
+        return dataclasses.replace(GPU, target_programs=self.target_programs).decode_splits(programs, max_steps)
+
+
+# Not measured: no GPU has run it yet. 64 keys (a wgmma's width) and 2 tiles in flight keep
+# 64 KB of K and V per program (bfloat16, head size 128) in shared memory, so two programs fit
+# an SM, and splits as the Triton kernel's. Off by default until `make bench-gpu` has timed it
+# against the Triton kernel and dense attention on an H100 (benchmarks/gpu_kernels.py: the
+# "Mosaic GPU" column) and `make test-gpu` has checked it compiled against the oracle; then
+# `enabled` records that measurement. `PALLAS_PAGED_GPU_DECODE=mosaic` runs it now.
+HOPPER = HopperDecode(keys_per_step=64, stages=2, target_programs=2 * 132, min_capability=9.0, enabled=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class QueryTiles:
     """Ragged query rows cut into tiles of at most ``tokens`` tokens of one sequence.
 

@@ -1,8 +1,10 @@
-"""The kernels as the GPU compiles them (Triton), against the dense oracle: float32 at the
-oracle's tight tolerance (full-precision products, not TF32), bfloat16 at its own; and the
-cache and swap operations, exact."""
+"""The kernels as the GPU compiles them (Triton; Mosaic GPU's decode on sm90+), against the
+dense oracle: float32 at the oracle's tight tolerance (full-precision products, not TF32),
+16-bit at bfloat16's; and the cache and swap operations, exact."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 
 import pallas_paged
 from engine.worker.cache_engine import CacheEngine
-from pallas_paged import reference
+from pallas_paged import reference, tiling
 from tests.gpu.conftest import gpu_only
 from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
 
@@ -43,6 +45,31 @@ def test_ragged_matches_oracle(dtype, heads, block_size):
     actual = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
     assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), dtype)
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
+
+
+def hopper_or_skip():
+    """Skip unless this GPU is one the Mosaic GPU decode kernel compiles for (sm90+)."""
+    capability = pallas_paged.cuda_capability()
+    if not capability or capability < tiling.HOPPER.min_capability:
+        pytest.skip(f"the Mosaic GPU decode kernel needs compute capability {tiling.HOPPER.min_capability}+, "
+                    f"not {capability}")
+
+
+@pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 16), (jnp.float16, 32)], ids=["bf16", "f16-block32"])
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("many", [False, True], ids=["split", "one-program-each"])
+def test_hopper_decode_compiled_matches_oracle(dtype, block_size, heads, head_dim, many):
+    """The Mosaic GPU kernel (wgmma, TMA) compiled, whether or not ``tiling.HOPPER`` is enabled:
+    a few sequences split their keys over programs; 300 fill the GPU one program each."""
+    hopper_or_skip()
+    contexts = list(np.random.default_rng(head_dim).integers(1, 700, 300)) if many else [1, 64, 5 * block_size + 1,
+                                                                                          1037, 77]
+    s = make(decode_seqs(contexts), q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
+             dtype=dtype, seed=block_size + head_dim)
+    hopper = jax.jit(functools.partial(pallas_paged.hopper_paged_attention, scale=head_dim**-0.5))
+    assert "mosaic_gpu" in hopper.lower(*s.decode_args).as_text()
+    assert_close(hopper(*s.decode_args), reference.paged_attention(*s.decode_args), jnp.bfloat16)
 
 
 @gpu_only

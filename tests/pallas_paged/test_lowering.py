@@ -18,6 +18,7 @@ import pallas_paged
 from pallas_paged import native
 
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC_GPU = "mosaic_gpu_v2"
 TARGETS = {
     "cuda": ("NVIDIA H100 80GB HBM3", "gpu", 132, TRITON),
     "tpu": ("TPU v5 lite", "tpu", 1, "tpu_custom_call"),
@@ -42,8 +43,8 @@ def export(fn, args, platform):
     return exported.mlir_module()
 
 
-def attention_args(q_heads, kv_heads, head_dim, block_size, dtype, *, tokens):
-    seqs, blocks, max_blocks = 4, 64, 8
+def attention_args(q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, seqs=4):
+    blocks, max_blocks = 64, 8
     cache = jax.ShapeDtypeStruct((kv_heads, blocks, block_size, head_dim), dtype)
     return [
         jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype), cache, cache,
@@ -56,6 +57,19 @@ def attention_args(q_heads, kv_heads, head_dim, block_size, dtype, *, tokens):
 def test_decode_lowers_to_a_kernel(platform, q_heads, kv_heads, head_dim, block_size, dtype):
     args = attention_args(q_heads, kv_heads, head_dim, block_size, dtype, tokens=4)
     assert TARGETS[platform][3] in export(pallas_paged.paged_attention, args, platform)
+
+
+@pytest.mark.parametrize("seqs", [4, 512], ids=["split", "one-program-each"])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 128, 8), (8, 8, 128, 32)])
+def test_hopper_decode_lowers_to_a_mosaic_gpu_kernel(monkeypatch, q_heads, kv_heads, head_dim, block_size, seqs):
+    """With the Mosaic GPU kernel chosen (as on an sm90 GPU where ``tiling.HOPPER`` is enabled),
+    its whole lowering runs here: the wgmma products, TMA copies and register layouts. Few
+    sequences split their keys over programs; 512 do not."""
+    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "mosaic")
+    args = attention_args(q_heads, kv_heads, head_dim, block_size, jnp.bfloat16, tokens=seqs, seqs=seqs)
+    fresh = lambda *arrays: pallas_paged.paged_attention(*arrays)  # noqa: E731 - not an earlier trace's cache entry
+    module = export(fresh, args, "cuda")
+    assert MOSAIC_GPU in module and TRITON not in module
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)

@@ -1,0 +1,83 @@
+"""The Mosaic GPU decode kernel for Hopper (:mod:`pallas_paged.decode_hopper`) in Mosaic GPU's
+interpret mode against the oracle, and which GPUs run it.
+
+Interpret mode simulates shared memory, the TMA copies through the block table and the
+barriers of the ring of tiles; its wgmma takes neither a transposed operand nor one in
+registers, so there the two products are XLA's (``decode_hopper._Layouts``). The wgmma
+products themselves are checked where they lower (``test_lowering``) and, compiled, on a GPU
+(``make test-gpu``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_paged
+from pallas_paged import decode_hopper, reference, tiling
+from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
+
+CONTEXTS = [1, 63, 64, 65, 0, 200]  # within a step, a step exactly, one key over, a padding row, several steps
+
+
+@pytest.mark.parametrize("heads,head_dim,block_size,splits,dtype", [
+    pytest.param((8, 2), 64, 16, 1, jnp.bfloat16, id="gqa4-bf16"),
+    pytest.param((9, 3), 64, 16, 3, jnp.bfloat16, id="gqa3-split3"),
+    pytest.param((32, 8), 128, 32, 2, jnp.float16, id="gqa4-d128-block32-f16-split2"),
+    pytest.param((4, 4), 128, 64, 1, jnp.bfloat16, id="mha-block64"),
+])
+def test_hopper_decode_matches_oracle_in_interpret_mode(heads, head_dim, block_size, splits, dtype):
+    """Stale and unreferenced slots hold NaN (``make``): a read of one, or a NaN value row not
+    zeroed in the last tile, shows in the output."""
+    s = make(decode_seqs(CONTEXTS), q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
+             dtype=dtype, seed=head_dim + splits)
+    actual = decode_hopper.paged_attention(*s.decode_args, scale=head_dim**-0.5, keys_per_step=64, stages=2,
+                                           splits=splits, interpret=True)
+    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
+    assert not actual[CONTEXTS.index(0)].astype(jnp.float32).any(), "a padding row must come out as zeros"
+
+
+def test_more_splits_than_a_sequence_has_steps():
+    """Splits past a short sequence's last step see no key and must not change its output."""
+    s = make(decode_seqs([10, 130]), q_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    actual = decode_hopper.paged_attention(*s.decode_args, scale=0.125, keys_per_step=64, stages=2, splits=4,
+                                           interpret=True)
+    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
+
+
+def test_public_op_with_the_hopper_tiling_matches_oracle():
+    """The knobs and splits `pallas_paged` gives the kernel on a GPU (tiling.HOPPER)."""
+    s = make(decode_seqs([90, 33]), q_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+    actual = pallas_paged.hopper_paged_attention(*s.decode_args, scale=0.125, interpret=True)
+    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
+
+
+def _kernel_for(dtype=jnp.bfloat16, heads=(32, 8), head_dim=128, block_size=16):
+    q = jax.ShapeDtypeStruct((4, heads[0], head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((heads[1], 64, block_size, head_dim), dtype)
+    return pallas_paged.gpu_decode_kernel(q, cache)
+
+
+@pytest.mark.parametrize("capability,enabled,expected", [
+    (9.0, True, "mosaic"), (10.0, True, "mosaic"), (8.9, True, "triton"), (9.0, False, "triton"),
+    (None, True, "triton"),
+])
+def test_gpu_generation_chooses_the_decode_kernel(monkeypatch, capability, enabled, expected):
+    monkeypatch.delenv("PALLAS_PAGED_GPU_DECODE", raising=False)
+    monkeypatch.setattr(pallas_paged, "cuda_capability", lambda: capability)
+    monkeypatch.setattr(tiling, "HOPPER", tiling.HopperDecode(**{**tiling.HOPPER.__dict__, "enabled": enabled}))
+    assert _kernel_for() == expected
+
+
+def test_the_environment_chooses_and_shapes_mosaic_cannot_take_stay_on_triton(monkeypatch):
+    monkeypatch.setattr(pallas_paged, "cuda_capability", lambda: 9.0)
+    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "triton")
+    assert _kernel_for() == "triton"
+    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "mosaic")
+    assert _kernel_for() == "mosaic"
+    assert [_kernel_for(dtype=jnp.float32), _kernel_for(head_dim=32),
+            _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 3
+    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "hopper")
+    with pytest.raises(ValueError, match="PALLAS_PAGED_GPU_DECODE must be auto, mosaic or triton"):
+        _kernel_for()
