@@ -11,8 +11,8 @@ bar paging is measured against; JAX's own Pallas GPU paged op
 (``jax.experimental.pallas.ops.gpu.paged_attention``, deprecated since JAX 0.11) on the same
 paged cache; and ours with the tiling it had before issue 41 (16 keys per step, no split over
 the context), so that one run measures that change (in prefill too); and on sm90+ the Mosaic GPU
-decode kernel (``pallas_paged.hopper_paged_attention``, TMA and wgmma), whether or not
-``tiling.HOPPER`` has the public op run it yet. Effective GB/s: bytes of K/V read plus q
+kernels (``pallas_paged.hopper_paged_attention`` and ``hopper_ragged_paged_attention``, TMA and
+wgmma), whether or not ``tiling.HOPPER`` has the public ops run them yet. Effective GB/s: bytes of K/V read plus q
 and the output, over the time. Prefill,
 whole prompts, causal: ours (``pallas_paged.ragged_paged_attention`` on a paged cache holding
 the prompts) against ``jax.nn.dot_product_attention`` on contiguous q/k/v, cuDNN's flash
@@ -193,7 +193,7 @@ def decode_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches:
                 "dense": build(dense_decode, (q, k, v, paged[-1])),
                 "JAX": build(jax_paged_attention(), ((q * case.head_dim**-0.5).astype(DTYPE), *paged[1:]))
                 if on_gpu() else NO_GPU,
-                "Mosaic GPU": hopper_variant(paged)}
+                "Mosaic GPU": hopper_variant(pallas_paged.hopper_paged_attention, paged)}
     expected = reference.paged_attention(*paged)
     times = timed({name: verified(name, case, variant, expected, mismatches) for name, variant in variants.items()})
     moved = 2 * k.nbytes + 2 * q.nbytes  # K and V read once; q read and the output written
@@ -203,17 +203,17 @@ def decode_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches:
             ratio(times["Mosaic GPU"], times["JAX"]), kernel_of(pallas_paged.paged_attention, paged)]
 
 
-def hopper_variant(paged: tuple):
-    """The Mosaic GPU decode kernel (``pallas_paged.hopper_paged_attention``, with
-    ``tiling.HOPPER``'s knobs) on ``paged``, whether or not the public op runs it yet; a cell
-    saying why not off an sm90+ GPU."""
+def hopper_variant(kernel: Callable, paged: tuple):
+    """A Mosaic GPU kernel (``pallas_paged.hopper_paged_attention`` or
+    ``hopper_ragged_paged_attention``, with ``tiling.HOPPER``'s knobs) on ``paged``, whether or
+    not the public ops run it yet; a cell saying why not off an sm90+ GPU."""
     if not on_gpu():
         return NO_GPU
     capability = pallas_paged.cuda_capability()
     if not capability or capability < tiling.HOPPER.min_capability:
         return f"n/a (sm{capability or '?'}: needs {tiling.HOPPER.min_capability}+)"
     scale = paged[0].shape[-1] ** -0.5
-    return build(functools.partial(pallas_paged.hopper_paged_attention, scale=scale), paged, kernel=True)
+    return build(functools.partial(kernel, scale=scale), paged, kernel=True)
 
 
 def before_issue_41(q, k_cache, v_cache, block_tables, context_lens):
@@ -253,13 +253,14 @@ def prefill_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches
     variants = {"ours": build(pallas_paged.ragged_paged_attention, paged, kernel=True),
                 "ours before": build(ragged_before_issue_41, paged, kernel=True) if on_gpu() else NO_GPU,
                 "cuDNN": build(contiguous_attention("cudnn"), dense) if on_gpu() else NO_GPU,
-                "XLA": build(contiguous_attention("xla"), dense)}
+                "XLA": build(contiguous_attention("xla"), dense),
+                "Mosaic GPU": hopper_variant(pallas_paged.hopper_ragged_paged_attention, paged)}
     expected = reference.ragged_paged_attention(*paged)
     times = timed({name: verified(name, case, variant, expected, mismatches) for name, variant in variants.items()})
     cells = [number(t * 1e3) if isinstance(t, float) else t for t in times.values()]
     return [case.heads, case.seqs, case.context, *cells, ratio(times["ours"], times["cuDNN"]),
             ratio(times["ours"], times["XLA"]), ratio(times["ours before"], times["ours"]),
-            kernel_of(pallas_paged.ragged_paged_attention, paged)]
+            ratio(times["Mosaic GPU"], times["cuDNN"]), kernel_of(pallas_paged.ragged_paged_attention, paged)]
 
 
 def ragged_before_issue_41(q, k_cache, v_cache, block_tables, context_lens, query_start_loc):
@@ -273,7 +274,8 @@ DECODE_HEADERS = ["heads q/kv x d", "seqs", "context", "ours us", "ours GB/s", "
                   "before GB/s", "dense XLA us", "dense GB/s", "JAX paged op us", "JAX GB/s", "Mosaic GPU (sm90) us",
                   "Mosaic GB/s", "ours / dense", "before / ours", "Mosaic / dense", "Mosaic / JAX", "ours runs"]
 PREFILL_HEADERS = ["heads q/kv x d", "prompts", "tokens each", "ours ms", "ours before issue 41 ms",
-                   "cuDNN flash ms", "dense XLA ms", "ours / cuDNN", "ours / XLA", "before / ours", "ours runs"]
+                   "cuDNN flash ms", "dense XLA ms", "Mosaic GPU (sm90) ms", "ours / cuDNN", "ours / XLA",
+                   "before / ours", "Mosaic / cuDNN", "ours runs"]
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -24,7 +24,7 @@ import os
 
 import jax
 
-from pallas_paged import decode, decode_hopper, decode_tpu, lowering, native, ragged, tiling
+from pallas_paged import decode, decode_tpu, hopper, lowering, native, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (
@@ -112,39 +112,48 @@ def cuda_capability() -> float | None:
         return None
 
 
-def gpu_decode_kernel(q, k_cache) -> str:
-    """Which kernel a CUDA decode of these arrays runs: ``"mosaic"`` (:mod:`decode_hopper`) or
-    ``"triton"`` (:mod:`decode`). ``PALLAS_PAGED_GPU_DECODE``: ``auto`` (the default) runs
-    Mosaic GPU where :data:`tiling.HOPPER` is enabled and the GPU is new enough; ``mosaic`` or
-    ``triton`` choose, whatever the GPU (``mosaic``: for the shapes it takes, see
-    :func:`decode_hopper.supports`; Triton for the others). Read when a function is traced."""
-    choice = os.environ.get("PALLAS_PAGED_GPU_DECODE", "auto")
+def gpu_kernel(q, k_cache) -> str:
+    """Which kernels a CUDA GPU runs for attention over these arrays (decode and ragged):
+    ``"mosaic"`` (:mod:`hopper`) or ``"triton"`` (:mod:`decode`, :mod:`ragged`).
+    ``PALLAS_PAGED_GPU_ATTENTION``: ``auto`` (the default) runs Mosaic GPU where
+    :data:`tiling.HOPPER` is enabled and the GPU is new enough; ``mosaic`` or ``triton`` choose,
+    whatever the GPU (``mosaic``: for the shapes it takes, see :func:`hopper.supports`; Triton
+    for the others). Read when a function is traced."""
+    choice = os.environ.get("PALLAS_PAGED_GPU_ATTENTION", "auto")
     if choice not in ("auto", "mosaic", "triton"):
-        raise ValueError(f"PALLAS_PAGED_GPU_DECODE must be auto, mosaic or triton, not {choice!r}")
+        raise ValueError(f"PALLAS_PAGED_GPU_ATTENTION must be auto, mosaic or triton, not {choice!r}")
     kv_heads, _, block_size, head_dim = k_cache.shape
-    fits = decode_hopper.supports(q.dtype, k_cache.dtype, q.shape[-2], kv_heads, head_dim, block_size,
-                                  tiling.HOPPER.keys_per_step)
+    knobs = tiling.HOPPER
+    fits = hopper.supports(q.dtype, k_cache.dtype, q.shape[-2], kv_heads, head_dim, block_size, knobs.keys_per_step)
     if choice == "auto":
         capability = cuda_capability()
-        choice = "mosaic" if tiling.HOPPER.enabled and capability and capability >= tiling.HOPPER.min_capability \
-            else "triton"
+        choice = "mosaic" if knobs.enabled and capability and capability >= knobs.min_capability else "triton"
     return "mosaic" if choice == "mosaic" and fits else "triton"
 
 
-def _cuda_decode(q, k_cache, scale):
-    """The decode a CUDA GPU runs (:func:`gpu_decode_kernel`), as a function of the op's arrays."""
-    if gpu_decode_kernel(q, k_cache) == "triton":
-        return functools.partial(decode.paged_attention, scale=scale, tiling=tiling.GPU, interpret=False)
-    return functools.partial(hopper_paged_attention, scale=scale)
+def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
+    """What a CUDA GPU runs for an op (:func:`gpu_kernel`): ``triton`` or ``mosaic``, given ``scale``."""
+    if gpu_kernel(q, k_cache) == "triton":
+        return functools.partial(triton, scale=scale, tiling=tiling.GPU, interpret=False)
+    return functools.partial(mosaic, scale=scale)
 
 
 def hopper_paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, interpret=False):
-    """:func:`decode_hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits."""
-    hopper = tiling.HOPPER
-    steps = -(-block_tables.shape[1] * k_cache.shape[2] // hopper.keys_per_step)
-    splits = hopper.decode_splits(q.shape[0] * k_cache.shape[0], steps)
-    return decode_hopper.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
-                                         keys_per_step=hopper.keys_per_step, stages=hopper.stages, splits=splits,
+    """:func:`hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits."""
+    knobs = tiling.HOPPER
+    steps = -(-block_tables.shape[1] * k_cache.shape[2] // knobs.keys_per_step)
+    splits = knobs.decode_splits(q.shape[0] * k_cache.shape[0], steps)
+    return hopper.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+                                  keys_per_step=knobs.keys_per_step, stages=knobs.stages, splits=splits,
+                                  interpret=interpret)
+
+
+def hopper_ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale,
+                                  interpret=False):
+    """:func:`hopper.ragged_paged_attention` with :data:`tiling.HOPPER`'s knobs."""
+    knobs = tiling.HOPPER
+    return hopper.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                         scale=scale, keys_per_step=knobs.keys_per_step, stages=knobs.stages,
                                          interpret=interpret)
 
 
@@ -165,7 +174,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens,
         cpu=_cpu_kernel(native.paged_attention, decode.paged_attention, q, k_cache, scale),
-        cuda=_cuda_decode(q, k_cache, scale),
+        cuda=_cuda_kernel(q, k_cache, scale, triton=decode.paged_attention, mosaic=hopper_paged_attention),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.paged_attention, scale=scale, interpret=False),
     )
@@ -187,7 +196,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         cpu=_cpu_kernel(native.ragged_paged_attention, ragged.ragged_paged_attention, q, k_cache, scale),
-        cuda=functools.partial(common, tiling=tiling.GPU, interpret=False),
+        cuda=_cuda_kernel(q, k_cache, scale, triton=ragged.ragged_paged_attention,
+                          mosaic=hopper_ragged_paged_attention),
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.ragged_paged_attention, scale=scale),
     )

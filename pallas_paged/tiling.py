@@ -89,14 +89,17 @@ GPU_BEFORE_ISSUE_41 = dataclasses.replace(GPU, keys_per_step=16, target_programs
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperDecode:
-    """The Mosaic GPU decode kernel's knobs (:mod:`pallas_paged.decode_hopper`).
+class HopperTiling:
+    """The Mosaic GPU kernels' knobs (:mod:`pallas_paged.hopper`: decode and ragged).
 
     keys_per_step: keys of one step's tile (whole blocks; a multiple of 64, a wgmma's width).
     stages: tiles in shared memory at once, the next ones copying while one is computed.
-    splits: as :class:`Tiling`'s ``target_programs`` (flash-decoding when fewer programs).
-    min_capability: the oldest GPU generation that runs it (wgmma and TMA: Hopper, sm90).
-    enabled: whether such GPUs run it unless told otherwise (``PALLAS_PAGED_GPU_DECODE``).
+    target_programs: as :class:`Tiling`'s: decodes with fewer programs split (flash-decoding).
+    min_capability: the oldest GPU generation that runs them (wgmma and TMA: Hopper, sm90).
+    enabled: whether such GPUs run them unless told otherwise (``PALLAS_PAGED_GPU_ATTENTION``).
+
+    A ragged tile is always 64 query rows (a wgmma's height): 64 tokens without GQA, 16 with
+    groups of 3 or 4 query heads (padded to 4).
     """
 
     keys_per_step: int
@@ -106,16 +109,17 @@ class HopperDecode:
     enabled: bool
 
     def decode_splits(self, programs: int, max_steps: int) -> int:
+        """As :meth:`Tiling.decode_splits`, with this ``target_programs``."""
         return dataclasses.replace(GPU, target_programs=self.target_programs).decode_splits(programs, max_steps)
 
 
-# Not measured: no GPU has run it yet. 64 keys (a wgmma's width) and 2 tiles in flight keep
-# 64 KB of K and V per program (bfloat16, head size 128) in shared memory, so two programs fit
-# an SM, and splits as the Triton kernel's. Off by default until `make bench-gpu` has timed it
-# against the Triton kernel and dense attention on an H100 (benchmarks/gpu_kernels.py: the
-# "Mosaic GPU" column) and `make test-gpu` has checked it compiled against the oracle; then
-# `enabled` records that measurement. `PALLAS_PAGED_GPU_DECODE=mosaic` runs it now.
-HOPPER = HopperDecode(keys_per_step=64, stages=2, target_programs=2 * 132, min_capability=9.0, enabled=False)
+# Not measured: no GPU has run these kernels yet. 64 keys (a wgmma's width) and 2 tiles in flight
+# keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory, so two programs
+# fit an SM, and splits as the Triton kernel's. Off by default until `make bench-gpu` has timed
+# them against the Triton kernels, dense attention and cuDNN on an H100 (benchmarks/gpu_kernels.py:
+# the "Mosaic GPU" columns) and `make test-gpu` has checked them compiled against the oracle;
+# then `enabled` records that measurement. `PALLAS_PAGED_GPU_ATTENTION=mosaic` runs them now.
+HOPPER = HopperTiling(keys_per_step=64, stages=2, target_programs=2 * 132, min_capability=9.0, enabled=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The kernels as the GPU compiles them (Triton; Mosaic GPU's decode on sm90+), against the
+"""The kernels as the GPU compiles them (Triton; Mosaic GPU's on sm90+), against the
 dense oracle: float32 at the oracle's tight tolerance (full-precision products, not TF32),
 16-bit at bfloat16's; and the cache and swap operations, exact."""
 
@@ -48,10 +48,10 @@ def test_ragged_matches_oracle(dtype, heads, block_size):
 
 
 def hopper_or_skip():
-    """Skip unless this GPU is one the Mosaic GPU decode kernel compiles for (sm90+)."""
+    """Skip unless this GPU is one the Mosaic GPU kernels compile for (sm90+)."""
     capability = pallas_paged.cuda_capability()
     if not capability or capability < tiling.HOPPER.min_capability:
-        pytest.skip(f"the Mosaic GPU decode kernel needs compute capability {tiling.HOPPER.min_capability}+, "
+        pytest.skip(f"the Mosaic GPU kernels need compute capability {tiling.HOPPER.min_capability}+, "
                     f"not {capability}")
 
 
@@ -70,6 +70,23 @@ def test_hopper_decode_compiled_matches_oracle(dtype, block_size, heads, head_di
     hopper = jax.jit(functools.partial(pallas_paged.hopper_paged_attention, scale=head_dim**-0.5))
     assert "mosaic_gpu" in hopper.lower(*s.decode_args).as_text()
     assert_close(hopper(*s.decode_args), reference.paged_attention(*s.decode_args), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_ragged_compiled_matches_oracle(dtype, heads, head_dim):
+    """The Mosaic GPU ragged kernel compiled: whole prompts, a chunk after a cached prefix,
+    decodes, an idle sequence and padding rows."""
+    hopper_or_skip()
+    seqs = [(1, 1), (45, 45), (64, 64), (1100, 60), (53, 1), (32, 0), (250, 17), (700, 700)]
+    s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=16, dtype=dtype,
+             padding_tokens=5, seed=head_dim)
+    hopper = jax.jit(functools.partial(pallas_paged.hopper_ragged_paged_attention, scale=head_dim**-0.5))
+    assert "mosaic_gpu" in hopper.lower(*s.ragged_args).as_text()
+    actual = hopper(*s.ragged_args)
+    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.bfloat16)
+    assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
 
 
 @gpu_only

@@ -65,9 +65,19 @@ def test_hopper_decode_lowers_to_a_mosaic_gpu_kernel(monkeypatch, q_heads, kv_he
     """With the Mosaic GPU kernel chosen (as on an sm90 GPU where ``tiling.HOPPER`` is enabled),
     its whole lowering runs here: the wgmma products, TMA copies and register layouts. Few
     sequences split their keys over programs; 512 do not."""
-    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "mosaic")
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
     args = attention_args(q_heads, kv_heads, head_dim, block_size, jnp.bfloat16, tokens=seqs, seqs=seqs)
     fresh = lambda *arrays: pallas_paged.paged_attention(*arrays)  # noqa: E731 - not an earlier trace's cache entry
+    module = export(fresh, args, "cuda")
+    assert MOSAIC_GPU in module and TRITON not in module
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 128, 8), (8, 8, 128, 32)])
+def test_hopper_ragged_lowers_to_a_mosaic_gpu_kernel(monkeypatch, q_heads, kv_heads, head_dim, block_size):
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+    args = attention_args(q_heads, kv_heads, head_dim, block_size, jnp.bfloat16, tokens=100)
+    args.append(jax.ShapeDtypeStruct((5,), jnp.int32))
+    fresh = lambda *arrays: pallas_paged.ragged_paged_attention(*arrays)  # noqa: E731 - not an earlier trace's
     module = export(fresh, args, "cuda")
     assert MOSAIC_GPU in module and TRITON not in module
 

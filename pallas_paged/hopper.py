@@ -1,20 +1,19 @@
-"""Paged decode attention for Hopper (sm90) and later, in Mosaic GPU (issue 41).
+"""Paged attention for Hopper (sm90) and later, in Mosaic GPU (issue 41): decode and ragged.
 
-One program (a warpgroup) per (KV head, sequence[, split]). The sequence's KV blocks are
-brought from the cache into shared memory by TMA copies, ``blocks_per_step`` blocks of the
-block table per step, into a ring of ``stages`` buffers filled ahead of the step that reads
-them. Each step is two warpgroup matrix products (wgmma): the GQA group's query rows (padded
-to the 64 rows a wgmma takes; decode is bound by reading the cache, not by the tensor cores)
-against the tile's keys, and the probabilities against its values, with the online softmax
-between them in registers. When (KV heads x sequences) would leave SMs idle, a sequence's
-steps are split over several programs and merged after (flash-decoding), as in
-:mod:`pallas_paged.decode`.
+One program (a warpgroup) per (KV head, sequence[, split]) in decode, per (KV head, query
+tile) in ragged attention. The sequence's KV blocks are brought from the cache into shared
+memory by TMA copies, ``blocks_per_step`` blocks of the block table per step, into a ring of
+``stages`` buffers filled ahead of the step that reads them. Each step is two warpgroup matrix
+products (wgmma) with the online softmax between them in registers: the program's 64 query
+rows (the GQA group's heads, zero-padded, in decode; in ragged attention a tile of tokens,
+each with its group's heads) against the tile's keys, and the probabilities against its
+values. When (KV heads x sequences) would leave SMs idle, a decode splits each sequence's
+steps over several programs and merges them after (flash-decoding), as :mod:`decode` does.
 
-It reads and writes the same arrays as :func:`pallas_paged.decode.paged_attention` and keeps
-its numerics contract: products in the cache's dtype with float32 accumulation, float32
-softmax, rows that see no key return zeros. Runs compiled on sm90+, and on a CPU in Mosaic
-GPU's interpret mode (:func:`interpret_params`), which simulates shared memory, TMA and
-barriers; tests check it there against the oracle.
+Both keep the Triton kernels' arrays and numerics contract: products in the cache's dtype
+with float32 accumulation, float32 softmax, rows that see no key return zeros. They run
+compiled on sm90+, and on a CPU in Mosaic GPU's interpret mode (:func:`interpret_params`),
+which simulates shared memory, TMA and barriers; tests check them there against the oracle.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_paged import decode
+from pallas_paged.tiling import QueryTiles
 
 ROWS = 64  # a wgmma's M: the query rows of one program (the GQA group, zero-padded)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -119,6 +119,8 @@ class _Program:
     stages: int
     scale: float
     layouts: _Layouts
+    first_query_pos: jax.Array | None = None  # ragged: row r's query is at first_query_pos + r // rows_per_token
+    rows_per_token: int = 1
 
     @property
     def keys(self) -> int:
@@ -143,7 +145,10 @@ class _Program:
         plgpu.barrier_wait(self.k_ready.at[slot])
         scores = self.layouts.scores(q_smem, self.k_smem.at[slot])
         key_pos = i * keys + self.layouts.iota(scores.shape, 1)
-        scores = jnp.where(key_pos < self.context_len, scores * (self.scale * _LOG2E), -jnp.inf)
+        visible = key_pos < self.context_len
+        if self.first_query_pos is not None:  # causal
+            visible &= key_pos <= self.first_query_pos + self.layouts.iota(scores.shape, 0) // self.rows_per_token
+        scores = jnp.where(visible, scores * (self.scale * _LOG2E), -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(scores - jax.lax.broadcast_in_dim(new_max, scores.shape, [0]))
@@ -157,12 +162,48 @@ class _Program:
         return acc, new_max, row_sum
 
 
-def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_per_step, stages, splits, scale, interpret):
-    """Body of one program; ``out_refs``: the output ([seqs, kv_heads, rows, d]), or with
-    splits the float32 accumulators, maxima and sums ([splits, seqs, kv_heads, rows(, d)])."""
-    keys, head_dim, group_rows = blocks_per_step * k_ref.shape[2], k_ref.shape[3], q_ref.shape[2]
+    def attend(self, q_smem, q_ready, q_source, first, last):
+        """Fill the ring's first slots, copy ``q_source`` ([rows, d] in memory, at most
+        :data:`ROWS`; the rest of ``q_smem`` zero) into ``q_smem``, and fold steps ``first`` to
+        ``last`` → (acc [ROWS, d], row maxima and sums [ROWS], base 2)."""
+        for ahead in range(self.stages):
+            pl.when(first + ahead < last)(functools.partial(self.fetch, first + ahead))
+        rows, head_dim = q_source.shape
+        if rows < ROWS:
+            q_smem[...] = self.layouts.tile(jnp.zeros((ROWS, head_dim), q_smem.dtype))
+            plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(q_source, q_smem.at[pl.ds(0, rows)], q_ready)
+        plgpu.barrier_wait(q_ready)
+        state = (self.layouts.tile(jnp.zeros((ROWS, head_dim), jnp.float32)),
+                 self.layouts.rows(jnp.full((ROWS,), -jnp.inf, jnp.float32)),
+                 self.layouts.rows(jnp.zeros((ROWS,), jnp.float32)))
+        return jax.lax.fori_loop(first, last, functools.partial(self.step, q_smem, last), state)
+
+
+def _scoped(body, q_dtype, cache_dtype, head_dim: int, keys: int, blocks_per_step: int, stages: int, *extra):
+    """Run ``body(q_smem, k_smem, v_smem, *extra, q_ready, k_ready, v_ready)`` with the
+    program's shared memory: the query rows, the ring of K and V tiles, ``extra`` buffers, and
+    the barriers."""
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        lambda q_smem, k_smem, v_smem, *rest: body(q_smem, k_smem, v_smem, *rest),
+        plgpu.SMEM((ROWS, head_dim), q_dtype, transforms=transforms),
+        plgpu.SMEM((stages, keys, head_dim), cache_dtype, transforms=transforms),
+        plgpu.SMEM((stages, keys, head_dim), cache_dtype, transforms=transforms),
+        *extra,
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=stages),
+    )
+
+
+def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_per_step, stages, splits, scale,
+                   interpret):
+    """Body of one decode program; ``out_refs``: the output ([seqs, kv_heads, rows, d]), or
+    with splits the float32 accumulators, maxima and sums ([splits, seqs, kv_heads, rows(, d)])."""
+    keys, head_dim = blocks_per_step * k_ref.shape[2], k_ref.shape[3]
     head, seq = jax.lax.axis_index("heads"), jax.lax.axis_index("seqs")
-    layouts, context_len = _Layouts(interpret), lens_ref[seq]
+    context_len = lens_ref[seq]
     first, last = 0, pl.cdiv(context_len, keys)
     split = jax.lax.axis_index("splits") if splits > 1 else None
     if split is not None:  # flash-decoding: one of ``splits`` equal runs of the steps
@@ -171,30 +212,36 @@ def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_per_ste
 
     def body(q_smem, k_smem, v_smem, acc_smem, stats_smem, q_ready, k_ready, v_ready):
         program = _Program(seq, head, context_len, tables_ref, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
-                           blocks_per_step, stages, scale, layouts)
-        for ahead in range(stages):
-            pl.when(first + ahead < last)(functools.partial(program.fetch, first + ahead))
-        q_smem[...] = layouts.tile(jnp.zeros((ROWS, head_dim), q_smem.dtype))  # the rows past the group
-        plgpu.commit_smem()
-        plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem.at[pl.ds(0, group_rows)], q_ready)
-        plgpu.barrier_wait(q_ready)
-        state = (layouts.tile(jnp.zeros((ROWS, head_dim), jnp.float32)),
-                 layouts.rows(jnp.full((ROWS,), -jnp.inf, jnp.float32)), layouts.rows(jnp.zeros((ROWS,), jnp.float32)))
-        state = jax.lax.fori_loop(first, last, functools.partial(program.step, q_smem, last), state)
-        _store(out_refs, q_smem, acc_smem, stats_smem, *state, seq, head, group_rows, split)
+                           blocks_per_step, stages, scale, _Layouts(interpret))
+        state = program.attend(q_smem, q_ready, q_ref.at[seq, head], first, last)
+        _store(out_refs, q_smem, acc_smem, stats_smem, *state, seq, head, q_ref.shape[2], split)
 
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    pl.run_scoped(
-        body,
-        plgpu.SMEM((ROWS, head_dim), q_ref.dtype, transforms=transforms),
-        plgpu.SMEM((stages, keys, head_dim), k_ref.dtype, transforms=transforms),
-        plgpu.SMEM((stages, keys, head_dim), v_ref.dtype, transforms=transforms),
-        plgpu.SMEM((ROWS, head_dim) if splits > 1 else (8, 64), jnp.float32),  # a split's accumulator
-        plgpu.SMEM((2, ROWS), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=stages),
-    )
+    _scoped(body, q_ref.dtype, k_ref.dtype, head_dim, keys, blocks_per_step, stages,
+            plgpu.SMEM((ROWS, head_dim) if splits > 1 else (8, 64), jnp.float32),  # a split's accumulator
+            plgpu.SMEM((2, ROWS), jnp.float32))
+
+
+def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, tile_token_ref, tables_ref, lens_ref, query_lens_ref,
+                   q_ref, k_ref, v_ref, o_ref, *, blocks_per_step, stages, rows_per_token, scale, interpret):
+    """Body of one ragged program: the tile's ``ROWS // rows_per_token`` tokens of one
+    sequence (q_ref: [kv_heads, rows, d] as ``QueryTiles.grouped`` lays them out), attending
+    causally to their sequence's keys; o_ref: [kv_heads, tiles, ROWS, d]. Unused tiles (no
+    tokens) write nothing."""
+    keys, head_dim = blocks_per_step * k_ref.shape[2], k_ref.shape[3]
+    head, tile = jax.lax.axis_index("heads"), jax.lax.axis_index("tiles")
+    seq, length = tile_seq_ref[tile], tile_len_ref[tile]
+    context_len = lens_ref[seq]
+    first_pos = context_len - query_lens_ref[seq] + tile_start_ref[tile]
+
+    def body(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready):
+        program = _Program(seq, head, context_len, tables_ref, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
+                           blocks_per_step, stages, scale, _Layouts(interpret), first_pos, rows_per_token)
+        q_rows = q_ref.at[head, pl.ds(tile_token_ref[tile] * rows_per_token, ROWS)]
+        acc, _, row_sum = program.attend(q_smem, q_ready, q_rows, 0, pl.cdiv(first_pos + length, keys))
+        _write_normalised(q_smem, acc, row_sum, o_ref.at[head, tile], ROWS)
+
+    pl.when(length > 0)(functools.partial(_scoped, body, q_ref.dtype, k_ref.dtype, head_dim, keys, blocks_per_step,
+                                          stages))
 
 
 def _zero_past(v_tile, first_key, context_len, layouts):
@@ -207,15 +254,20 @@ def _zero_past(v_tile, first_key, context_len, layouts):
     plgpu.commit_smem()
 
 
+def _write_normalised(o_smem, acc, row_sum, o_rows, rows: int):
+    """The softmax's output ``acc / row_sum`` (zeros where no key was seen) through ``o_smem``
+    into ``o_rows`` (memory, [rows, d]: the first ``rows`` rows)."""
+    row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
+    o_smem[...] = (acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_rows)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _store(out_refs, o_smem, acc_smem, stats_smem, acc, row_max, row_sum, seq, head, group_rows, split):
     """Write the program's rows: normalised (no split), or its accumulators for the merge."""
     if split is None:
-        (o_ref,) = out_refs
-        row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
-        o_smem[...] = (acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group_rows)], o_ref.at[seq, head])
-        plgpu.wait_smem_to_gmem(0)
+        _write_normalised(o_smem, acc, row_sum, out_refs[0].at[seq, head], group_rows)
         return
     acc_ref, max_ref, sum_ref = out_refs
     acc_smem[...] = acc
@@ -248,8 +300,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, k
     else:
         stats = jax.ShapeDtypeStruct((splits, seqs, kv_heads, group_rows), jnp.float32)
         out_type = (jax.ShapeDtypeStruct((splits, *q_tiles.shape), jnp.float32), stats, stats)
-    kernel = functools.partial(_kernel, blocks_per_step=blocks_per_step, stages=stages, splits=splits, scale=scale,
-                               interpret=interpret)
+    kernel = functools.partial(_decode_kernel, blocks_per_step=blocks_per_step, stages=stages, splits=splits,
+                               scale=scale, interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -264,3 +316,36 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, k
         out = decode._merge(acc, row_max[..., None], row_sum[..., None]).astype(q.dtype)
     out = jnp.where((context_lens > 0)[:, None, None, None], out[:, :, :group], 0)
     return out.reshape(seqs, q_heads, head_dim)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale,
+                           keys_per_step: int, stages: int, interpret: bool = False):
+    """Causal attention for any mix of prefill chunks and decodes, as
+    :func:`pallas_paged.ragged.ragged_paged_attention`: q [tokens, q_heads, d], sequence i's
+    rows ``query_start_loc[i]:query_start_loc[i+1]`` the last positions of its
+    ``context_lens[i]`` tokens. Tiles of :data:`ROWS` rows: each token's GQA group padded to a
+    power of two, ``ROWS`` over that many tokens of one sequence. Returns [tokens, q_heads, d];
+    unowned rows are 0.
+    """
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = q_heads // kv_heads
+    rows_per_token = 1 << (group - 1).bit_length()
+    tokens_per_tile = ROWS // rows_per_token
+    num_tiles = QueryTiles.max_tiles(num_tokens, block_tables.shape[0], tokens_per_tile)
+    tiles = QueryTiles.build(query_start_loc, tokens_per_tile, num_tiles)
+    grouped = tiles.grouped(q, kv_heads, rows_per_token)
+    grouped = jnp.pad(grouped, ((0, 0), (0, -grouped.shape[1] % ROWS), (0, 0)))  # TMA: whole 8-row tiles
+    kernel = functools.partial(_ragged_kernel, blocks_per_step=keys_per_step // block_size, stages=stages,
+                               rows_per_token=rows_per_token, scale=scale, interpret=interpret)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((kv_heads, num_tiles, ROWS, head_dim), q.dtype),
+        grid=(kv_heads, num_tiles),
+        grid_names=("heads", "tiles"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params() if interpret else False,
+        kernel_name="ragged_paged_attention_sm90",
+    )(tiles.seq, tiles.start, tiles.length, tiles.first_token, block_tables.astype(jnp.int32),
+      context_lens.astype(jnp.int32), tiles.query_lens, grouped, k_cache, v_cache)
+    return tiles.scatter(out, num_tokens, group)

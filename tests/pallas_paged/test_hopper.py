@@ -1,9 +1,9 @@
-"""The Mosaic GPU decode kernel for Hopper (:mod:`pallas_paged.decode_hopper`) in Mosaic GPU's
-interpret mode against the oracle, and which GPUs run it.
+"""The Mosaic GPU kernels for Hopper (:mod:`pallas_paged.hopper`: decode and ragged) in Mosaic
+GPU's interpret mode against the oracle, and which GPUs run them.
 
 Interpret mode simulates shared memory, the TMA copies through the block table and the
 barriers of the ring of tiles; its wgmma takes neither a transposed operand nor one in
-registers, so there the two products are XLA's (``decode_hopper._Layouts``). The wgmma
+registers, so there the two products are XLA's (``hopper._Layouts``). The wgmma
 products themselves are checked where they lower (``test_lowering``) and, compiled, on a GPU
 (``make test-gpu``).
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_paged
-from pallas_paged import decode_hopper, reference, tiling
+from pallas_paged import hopper, reference, tiling
 from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
 
 CONTEXTS = [1, 63, 64, 65, 0, 200]  # within a step, a step exactly, one key over, a padding row, several steps
@@ -32,7 +32,7 @@ def test_hopper_decode_matches_oracle_in_interpret_mode(heads, head_dim, block_s
     zeroed in the last tile, shows in the output."""
     s = make(decode_seqs(CONTEXTS), q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
              dtype=dtype, seed=head_dim + splits)
-    actual = decode_hopper.paged_attention(*s.decode_args, scale=head_dim**-0.5, keys_per_step=64, stages=2,
+    actual = hopper.paged_attention(*s.decode_args, scale=head_dim**-0.5, keys_per_step=64, stages=2,
                                            splits=splits, interpret=True)
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
     assert not actual[CONTEXTS.index(0)].astype(jnp.float32).any(), "a padding row must come out as zeros"
@@ -41,8 +41,8 @@ def test_hopper_decode_matches_oracle_in_interpret_mode(heads, head_dim, block_s
 def test_more_splits_than_a_sequence_has_steps():
     """Splits past a short sequence's last step see no key and must not change its output."""
     s = make(decode_seqs([10, 130]), q_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
-    actual = decode_hopper.paged_attention(*s.decode_args, scale=0.125, keys_per_step=64, stages=2, splits=4,
-                                           interpret=True)
+    actual = hopper.paged_attention(*s.decode_args, scale=0.125, keys_per_step=64, stages=2, splits=4,
+                                    interpret=True)
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
 
 
@@ -53,31 +53,45 @@ def test_public_op_with_the_hopper_tiling_matches_oracle():
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((9, 3), 16), ((4, 4), 32)],
+                         ids=["gqa4", "gqa3-padded-to-4", "mha-block32"])
+def test_hopper_ragged_matches_oracle_in_interpret_mode(heads, block_size):
+    """Whole prompts, a chunk after a cached prefix, decodes, an idle sequence and padding rows;
+    a tile holds 64 // 4 tokens (GQA 4 and 3) or 64 (MHA)."""
+    seqs = [(1, 1), (45, 45), (4 * block_size, 4 * block_size), (300, 60), (3 * block_size + 5, 1),
+            (2 * block_size, 0), (130, 17)]
+    s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=64, block_size=block_size, dtype=jnp.bfloat16,
+             padding_tokens=5, seed=block_size)
+    actual = pallas_paged.hopper_ragged_paged_attention(*s.ragged_args, scale=0.125, interpret=True)
+    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args, scale=0.125), jnp.bfloat16)
+    assert not actual[-5:].astype(jnp.float32).any(), "padding rows must come out as zeros"
+
+
 def _kernel_for(dtype=jnp.bfloat16, heads=(32, 8), head_dim=128, block_size=16):
     q = jax.ShapeDtypeStruct((4, heads[0], head_dim), dtype)
     cache = jax.ShapeDtypeStruct((heads[1], 64, block_size, head_dim), dtype)
-    return pallas_paged.gpu_decode_kernel(q, cache)
+    return pallas_paged.gpu_kernel(q, cache)
 
 
 @pytest.mark.parametrize("capability,enabled,expected", [
     (9.0, True, "mosaic"), (10.0, True, "mosaic"), (8.9, True, "triton"), (9.0, False, "triton"),
     (None, True, "triton"),
 ])
-def test_gpu_generation_chooses_the_decode_kernel(monkeypatch, capability, enabled, expected):
-    monkeypatch.delenv("PALLAS_PAGED_GPU_DECODE", raising=False)
+def test_gpu_generation_chooses_the_kernels(monkeypatch, capability, enabled, expected):
+    monkeypatch.delenv("PALLAS_PAGED_GPU_ATTENTION", raising=False)
     monkeypatch.setattr(pallas_paged, "cuda_capability", lambda: capability)
-    monkeypatch.setattr(tiling, "HOPPER", tiling.HopperDecode(**{**tiling.HOPPER.__dict__, "enabled": enabled}))
+    monkeypatch.setattr(tiling, "HOPPER", tiling.HopperTiling(**{**tiling.HOPPER.__dict__, "enabled": enabled}))
     assert _kernel_for() == expected
 
 
 def test_the_environment_chooses_and_shapes_mosaic_cannot_take_stay_on_triton(monkeypatch):
     monkeypatch.setattr(pallas_paged, "cuda_capability", lambda: 9.0)
-    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "triton")
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "triton")
     assert _kernel_for() == "triton"
-    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "mosaic")
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
     assert _kernel_for() == "mosaic"
     assert [_kernel_for(dtype=jnp.float32), _kernel_for(head_dim=32),
             _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 3
-    monkeypatch.setenv("PALLAS_PAGED_GPU_DECODE", "hopper")
-    with pytest.raises(ValueError, match="PALLAS_PAGED_GPU_DECODE must be auto, mosaic or triton"):
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "hopper")
+    with pytest.raises(ValueError, match="PALLAS_PAGED_GPU_ATTENTION must be auto, mosaic or triton"):
         _kernel_for()
