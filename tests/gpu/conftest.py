@@ -11,6 +11,9 @@ import os
 import jax
 import pytest
 
+import pallas_paged
+from pallas_paged import tiling
+
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -25,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="checks what the GPU compiles")
+
+
+def hopper_or_skip():
+    """Skip unless this GPU is one the Mosaic GPU kernels compile for (sm90+)."""
+    capability = pallas_paged.cuda_capability()
+    if not capability or capability < tiling.HOPPER.min_capability:
+        pytest.skip(f"the Mosaic GPU kernels need compute capability {tiling.HOPPER.min_capability}+, "
+                    f"not {capability}")

@@ -4,16 +4,19 @@ device's memory, and the server answering the ``openai`` client."""
 
 from __future__ import annotations
 
+import jax
 import openai
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+import pallas_paged
 from engine import LLM, SamplingParams
 from tests.engine.server import running_server
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches, prompts, tiny_llm
-from tests.gpu.conftest import gpu_only
+from tests.gpu.conftest import gpu_only, hopper_or_skip
 from tests.hf_torch import load_hf_model, require_torch
+from tests.models import tiny_models
 from tests.models.tiny_models import write_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -32,6 +35,23 @@ def test_greedy_batch_matches_hugging_face(name, dtype, tmp_path):
     where they part (see :func:`tests.engine.tiny.assert_same_or_close`)."""
     require_torch()
     llm, _ = tiny_llm(name, tmp_path, dtype=dtype)
+    assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_mosaic_gpu_kernels_match_hugging_face(dtype, tmp_path, monkeypatch):
+    """The engine with the Hopper kernels (PALLAS_PAGED_GPU_ATTENTION=mosaic) on a model whose
+    heads they take (size 64; the tiny models' are 16): prompts through the ragged kernel,
+    tokens through decode, as Hugging Face's greedy output (within its top-5, as above)."""
+    hopper_or_skip()
+    require_torch()
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+    monkeypatch.setitem(tiny_models.TINY_CONFIGS, "llama_head64",
+                        dict(tiny_models.TINY_CONFIGS["llama_gqa_tied"], head_dim=64))
+    llm, config = tiny_llm("llama_head64", tmp_path, dtype=dtype)
+    q = jax.ShapeDtypeStruct((1, config.num_attention_heads, 64), dtype)
+    cache = jax.ShapeDtypeStruct((config.num_key_value_heads, 8, ENGINE["block_size"], 64), dtype)
+    assert pallas_paged.gpu_kernel(q, cache) == "mosaic"
     assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
 
 

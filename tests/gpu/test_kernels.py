@@ -13,8 +13,8 @@ import pytest
 
 import pallas_paged
 from engine.worker.cache_engine import CacheEngine
-from pallas_paged import reference, tiling
-from tests.gpu.conftest import gpu_only
+from pallas_paged import reference
+from tests.gpu.conftest import gpu_only, hopper_or_skip
 from tests.pallas_paged.scenarios import assert_close, decode_seqs, make
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -45,14 +45,6 @@ def test_ragged_matches_oracle(dtype, heads, block_size):
     actual = jax.jit(pallas_paged.ragged_paged_attention)(*s.ragged_args)
     assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), dtype)
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
-
-
-def hopper_or_skip():
-    """Skip unless this GPU is one the Mosaic GPU kernels compile for (sm90+)."""
-    capability = pallas_paged.cuda_capability()
-    if not capability or capability < tiling.HOPPER.min_capability:
-        pytest.skip(f"the Mosaic GPU kernels need compute capability {tiling.HOPPER.min_capability}+, "
-                    f"not {capability}")
 
 
 @pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 16), (jnp.float16, 32)], ids=["bf16", "f16-block32"])
