@@ -114,8 +114,10 @@ class HopperTiling:
 
 
 # Not measured: no GPU has run these kernels yet. 64 keys (a wgmma's width) and 2 tiles in flight
-# keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory, so two programs
-# fit an SM, and splits as the Triton kernel's. Off by default until `make bench-gpu` has timed
+# keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory, 80-115 KB with the
+# query rows and a split's float32 accumulator, so two programs fit an SM's 227 KB (`make
+# test-accel` compiles them for an H100, which refuses a kernel over it); splits as the Triton
+# kernel's. Off by default until `make bench-gpu` has timed
 # them against the Triton kernels, dense attention and cuDNN on an H100 (benchmarks/gpu_kernels.py:
 # the "Mosaic GPU" columns) and `make test-gpu` has checked them compiled against the oracle;
 # then `enabled` records that measurement. `PALLAS_PAGED_GPU_ATTENTION=mosaic` runs them now.

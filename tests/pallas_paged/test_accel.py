@@ -76,3 +76,18 @@ def test_gpu_kernels_compile_for_h100(q_heads, kv_heads, head_dim, block_size, d
         assert (tiling.GPU.decode_splits(programs, max_steps) > 1) == (op == "decode-split")
     compile_for(gpu_devices(), fn, q_heads, kv_heads, head_dim, block_size, dtype,
                 tokens={"ragged": 64, "decode": seqs, "decode-split": seqs}[op], ragged=op == "ragged", seqs=seqs)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 128, 16), (8, 8, 128, 32)])
+@pytest.mark.parametrize("op", ["decode-split", "decode", "ragged"])
+def test_mosaic_gpu_kernels_compile_for_h100(monkeypatch, q_heads, kv_heads, head_dim, block_size, op):
+    """The Hopper kernels (``pallas_paged.hopper``, chosen here as on an sm90 GPU where they are
+    enabled) fit an H100's shared memory: their compilation refuses a kernel that does not."""
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+    public = pallas_paged.ragged_paged_attention if op == "ragged" else pallas_paged.paged_attention
+    fresh = lambda *arrays: public(*arrays)  # noqa: E731 - not an earlier trace's cache entry
+    seqs = 512 if op == "decode" else 8
+    compiled = compile_for(gpu_devices(), fresh, q_heads, kv_heads, head_dim, block_size, jnp.bfloat16,
+                           tokens={"ragged": 64, "decode": seqs, "decode-split": seqs}[op], ragged=op == "ragged",
+                           seqs=seqs)
+    assert "mosaic_gpu" in compiled.as_text()
