@@ -37,12 +37,13 @@ _LOG2E = math.log2(math.e)
 
 def supports(q_dtype, cache_dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
              keys_per_step: int) -> bool:
-    """Whether the kernel takes these shapes: 16-bit q and cache of one dtype, head size a
-    multiple of 64 (a 128-byte swizzled row), blocks of at least 8 keys that tile the step,
-    and a GQA group of at most :data:`ROWS` query heads."""
-    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(q_dtype) == jnp.dtype(cache_dtype) and head_dim % 64 == 0
-            and block_size % 8 == 0 and keys_per_step % block_size == 0 and keys_per_step % 64 == 0
-            and q_heads // kv_heads <= ROWS)
+    """Whether the kernels take these shapes: 16-bit q and cache of one dtype, head size 64 or
+    128 (whole 128-byte swizzled rows; 256 would not fit a split decode's shared memory), blocks
+    of at least 8 keys that tile a step of at most 256 keys (a wgmma's widest), and a GQA
+    group of at most :data:`ROWS` query heads."""
+    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(q_dtype) == jnp.dtype(cache_dtype)
+            and head_dim in (64, 128) and block_size % 8 == 0 and keys_per_step % block_size == 0
+            and keys_per_step in (64, 128, 192, 256) and q_heads // kv_heads <= ROWS)
 
 
 def interpret_params():
@@ -221,11 +222,12 @@ def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_
             plgpu.SMEM((2, ROWS), jnp.float32))
 
 
-def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, tile_token_ref, tables_ref, lens_ref, query_lens_ref,
+def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, tables_ref, lens_ref, query_lens_ref,
                    q_ref, k_ref, v_ref, o_ref, *, blocks_per_step, stages, rows_per_token, scale, interpret):
     """Body of one ragged program: the tile's ``ROWS // rows_per_token`` tokens of one
-    sequence (q_ref: [kv_heads, rows, d] as ``QueryTiles.grouped`` lays them out), attending
-    causally to their sequence's keys; o_ref: [kv_heads, tiles, ROWS, d]. Unused tiles (no
+    sequence (q_ref: [tiles, kv_heads, ROWS, d], each tile's rows gathered whole: a TMA copy
+    from a dynamic row offset would be cut at the 8-row tiles TMA sees in memory), attending
+    causally to their sequence's keys; o_ref: [tiles, kv_heads, ROWS, d]. Unused tiles (no
     tokens) write nothing."""
     keys, head_dim = blocks_per_step * k_ref.shape[2], k_ref.shape[3]
     head, tile = jax.lax.axis_index("heads"), jax.lax.axis_index("tiles")
@@ -236,9 +238,8 @@ def _ragged_kernel(tile_seq_ref, tile_start_ref, tile_len_ref, tile_token_ref, t
     def body(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready):
         program = _Program(seq, head, context_len, tables_ref, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
                            blocks_per_step, stages, scale, _Layouts(interpret), first_pos, rows_per_token)
-        q_rows = q_ref.at[head, pl.ds(tile_token_ref[tile] * rows_per_token, ROWS)]
-        acc, _, row_sum = program.attend(q_smem, q_ready, q_rows, 0, pl.cdiv(first_pos + length, keys))
-        _write_normalised(q_smem, acc, row_sum, o_ref.at[head, tile], ROWS)
+        acc, _, row_sum = program.attend(q_smem, q_ready, q_ref.at[tile, head], 0, pl.cdiv(first_pos + length, keys))
+        _write_normalised(q_smem, acc, row_sum, o_ref.at[tile, head], ROWS)
 
     pl.when(length > 0)(functools.partial(_scoped, body, q_ref.dtype, k_ref.dtype, head_dim, keys, blocks_per_step,
                                           stages))
@@ -305,8 +306,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, k
     out = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(kv_heads, seqs) + ((splits,) if splits > 1 else ()),
-        grid_names=("heads", "seqs") + (("splits",) if splits > 1 else ()),
+        grid=(seqs, kv_heads) + ((splits,) if splits > 1 else ()),  # the long axis first (see the ragged grid)
+        grid_names=("seqs", "heads") + (("splits",) if splits > 1 else ()),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else False,
         kernel_name="paged_decode_attention_sm90",
@@ -334,18 +335,18 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     tokens_per_tile = ROWS // rows_per_token
     num_tiles = QueryTiles.max_tiles(num_tokens, block_tables.shape[0], tokens_per_tile)
     tiles = QueryTiles.build(query_start_loc, tokens_per_tile, num_tiles)
-    grouped = tiles.grouped(q, kv_heads, rows_per_token)
-    grouped = jnp.pad(grouped, ((0, 0), (0, -grouped.shape[1] % ROWS), (0, 0)))  # TMA: whole 8-row tiles
+    rows = tiles.first_token[:, None] * rows_per_token + jnp.arange(ROWS, dtype=jnp.int32)  # within the padding
+    q_tiles = jnp.take(tiles.grouped(q, kv_heads, rows_per_token), rows, axis=1, mode="clip").swapaxes(0, 1)
     kernel = functools.partial(_ragged_kernel, blocks_per_step=keys_per_step // block_size, stages=stages,
                                rows_per_token=rows_per_token, scale=scale, interpret=interpret)
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((kv_heads, num_tiles, ROWS, head_dim), q.dtype),
-        grid=(kv_heads, num_tiles),
-        grid_names=("heads", "tiles"),
+        out_type=jax.ShapeDtypeStruct((num_tiles, kv_heads, ROWS, head_dim), q.dtype),
+        grid=(num_tiles, kv_heads),  # the long axis first: CUDA's second grid dimension stops at 65,535
+        grid_names=("tiles", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else False,
         kernel_name="ragged_paged_attention_sm90",
-    )(tiles.seq, tiles.start, tiles.length, tiles.first_token, block_tables.astype(jnp.int32),
-      context_lens.astype(jnp.int32), tiles.query_lens, grouped, k_cache, v_cache)
-    return tiles.scatter(out, num_tokens, group)
+    )(tiles.seq, tiles.start, tiles.length, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
+      tiles.query_lens, q_tiles, k_cache, v_cache)
+    return tiles.scatter(out.swapaxes(0, 1), num_tokens, group)

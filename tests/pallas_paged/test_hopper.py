@@ -90,8 +90,8 @@ def test_the_environment_chooses_and_shapes_mosaic_cannot_take_stay_on_triton(mo
     assert _kernel_for() == "triton"
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
     assert _kernel_for() == "mosaic"
-    assert [_kernel_for(dtype=jnp.float32), _kernel_for(head_dim=32),
-            _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 3
+    assert [_kernel_for(dtype=jnp.float32), _kernel_for(head_dim=32), _kernel_for(head_dim=256),
+            _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 4
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "hopper")
     with pytest.raises(ValueError, match="PALLAS_PAGED_GPU_ATTENTION must be auto, mosaic or triton"):
         _kernel_for()
