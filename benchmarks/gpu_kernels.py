@@ -12,7 +12,8 @@ bar paging is measured against; JAX's own Pallas GPU paged op
 paged cache; and ours with the tiling it had before issue 41 (16 keys per step, no split over
 the context), so that one run measures that change (in prefill too); and on sm90+ the Mosaic GPU
 kernels (``pallas_paged.hopper_paged_attention`` and ``hopper_ragged_paged_attention``, TMA and
-wgmma), whether or not ``tiling.HOPPER`` has the public ops run them yet. Effective GB/s: bytes of K/V read plus q
+wgmma), whether or not ``tiling.HOPPER`` has the public ops run them yet, and in prefill our op
+sending whole fresh prompts to cuDNN (``PALLAS_PAGED_CUDNN_PROMPTS=1``). Effective GB/s: bytes of K/V read plus q
 and the output, over the time. Prefill,
 whole prompts, causal: ours (``pallas_paged.ragged_paged_attention`` on a paged cache holding
 the prompts) against ``jax.nn.dot_product_attention`` on contiguous q/k/v, cuDNN's flash
@@ -27,9 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 import warnings
 from collections.abc import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -254,13 +257,28 @@ def prefill_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches
                 "ours before": build(ragged_before_issue_41, paged, kernel=True) if on_gpu() else NO_GPU,
                 "cuDNN": build(contiguous_attention("cudnn"), dense) if on_gpu() else NO_GPU,
                 "XLA": build(contiguous_attention("xla"), dense),
-                "Mosaic GPU": hopper_variant(pallas_paged.hopper_ragged_paged_attention, paged)}
+                "Mosaic GPU": hopper_variant(pallas_paged.hopper_ragged_paged_attention, paged),
+                "cuDNN prompts": cudnn_prompts_variant(paged, k, v)}
     expected = reference.ragged_paged_attention(*paged)
     times = timed({name: verified(name, case, variant, expected, mismatches) for name, variant in variants.items()})
     cells = [number(t * 1e3) if isinstance(t, float) else t for t in times.values()]
     return [case.heads, case.seqs, case.context, *cells, ratio(times["ours"], times["cuDNN"]),
             ratio(times["ours"], times["XLA"]), ratio(times["ours before"], times["ours"]),
-            ratio(times["Mosaic GPU"], times["cuDNN"]), kernel_of(pallas_paged.ragged_paged_attention, paged)]
+            ratio(times["Mosaic GPU"], times["cuDNN"]), ratio(times["cuDNN prompts"], times["cuDNN"]),
+            kernel_of(pallas_paged.ragged_paged_attention, paged)]
+
+
+def cudnn_prompts_variant(paged: tuple, k: jax.Array, v: jax.Array):
+    """Our ragged op given the prompts' own K and V (``new_kv``) with
+    ``PALLAS_PAGED_CUDNN_PROMPTS=1``: whole fresh prompts through cuDNN's flash attention
+    (``pallas_paged.prompts``), whether or not ``tiling.HOPPER`` turns that on yet; the cost
+    of choosing it on the device included. k, v: contiguous [seqs, kv_heads, ctx, d]."""
+    if not on_gpu():
+        return NO_GPU
+    tokens = [x.swapaxes(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v)]
+    with mock.patch.dict(os.environ, {"PALLAS_PAGED_CUDNN_PROMPTS": "1"}):
+        return build(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]),
+                     (*paged, *tokens), kernel=True)
 
 
 def ragged_before_issue_41(q, k_cache, v_cache, block_tables, context_lens, query_start_loc):
@@ -274,8 +292,8 @@ DECODE_HEADERS = ["heads q/kv x d", "seqs", "context", "ours us", "ours GB/s", "
                   "before GB/s", "dense XLA us", "dense GB/s", "JAX paged op us", "JAX GB/s", "Mosaic GPU (sm90) us",
                   "Mosaic GB/s", "ours / dense", "before / ours", "Mosaic / dense", "Mosaic / JAX", "ours runs"]
 PREFILL_HEADERS = ["heads q/kv x d", "prompts", "tokens each", "ours ms", "ours before issue 41 ms",
-                   "cuDNN flash ms", "dense XLA ms", "Mosaic GPU (sm90) ms", "ours / cuDNN", "ours / XLA",
-                   "before / ours", "Mosaic / cuDNN", "ours runs"]
+                   "cuDNN flash ms", "dense XLA ms", "Mosaic GPU (sm90) ms", "ours, cuDNN prompts ms", "ours / cuDNN",
+                   "ours / XLA", "before / ours", "Mosaic / cuDNN", "cuDNN prompts / cuDNN", "ours runs"]
 
 
 def main(argv: list[str] | None = None) -> str:

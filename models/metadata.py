@@ -68,20 +68,23 @@ class Metadata:
                               check_vma=False)
         return local(self, q, k, v, kv_cache)
 
-    def attend(self, q, k_cache, v_cache, *, scale):
+    def attend(self, q, k_cache, v_cache, *, scale, new_kv=None):
         """Causal paged attention for this step's queries.
 
         q: [T, q_heads, head_dim]; k_cache, v_cache: [kv_heads, blocks,
-        block_size, head_dim], already holding this step's KV.
+        block_size, head_dim], already holding this step's KV; new_kv: optionally
+        that KV, (k, v) [T, kv_heads, head_dim] each (a GPU may attend over it
+        instead when the step is all whole prompts: ``pallas_paged.cudnn_prompts``).
         Returns [T, q_heads, head_dim] (zeros for padding tokens).
         """
         if self.decode_only:
             return pallas_paged.paged_attention(
                 q, k_cache, v_cache, self.block_tables, self.context_lens, scale=scale)
         return pallas_paged.ragged_paged_attention(
-            q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale=scale)
+            q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale=scale,
+            new_kv=new_kv)
 
 
 def _write_and_attend(metadata: Metadata, q, k, v, kv_cache, scale):
     k_cache, v_cache = pallas_paged.write_kv(*kv_cache, k, v, metadata.slot_mapping)
-    return metadata.attend(q, k_cache, v_cache, scale=scale), (k_cache, v_cache)
+    return metadata.attend(q, k_cache, v_cache, scale=scale, new_kv=(k, v)), (k_cache, v_cache)

@@ -24,7 +24,7 @@ import os
 
 import jax
 
-from pallas_paged import decode, decode_tpu, hopper, lowering, native, ragged, tiling
+from pallas_paged import decode, decode_tpu, hopper, lowering, native, prompts, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (
@@ -131,6 +131,16 @@ def gpu_kernel(q, k_cache) -> str:
     return "mosaic" if choice == "mosaic" and fits else "triton"
 
 
+def cudnn_prompts(q) -> bool:
+    """Whether a CUDA GPU runs steps of whole fresh prompts through cuDNN's flash attention
+    (:mod:`prompts`): ``PALLAS_PAGED_CUDNN_PROMPTS`` (1 or 0) if set, else where
+    :data:`tiling.HOPPER`'s ``cudnn_prompts`` is on and the GPU is a Hopper or later (cuDNN's
+    packed layout needs one); and only for the queries it takes (:func:`prompts.supports`)."""
+    knobs, capability = tiling.HOPPER, cuda_capability()
+    hopper_gpu = bool(capability and capability >= knobs.min_capability)
+    return prompts.enabled(knobs.cudnn_prompts and hopper_gpu) and prompts.supports(q.dtype, q.shape[-1])
+
+
 def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
     """What a CUDA GPU runs for an op (:func:`gpu_kernel`): ``triton`` or ``mosaic``, given ``scale``."""
     if gpu_kernel(q, k_cache) == "triton":
@@ -180,24 +190,30 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=No
     )
 
 
-def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale=None):
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale=None,
+                           new_kv=None):
     """Causal attention for any mix of prefill chunks and decodes in one call.
 
     q: [num_tokens, num_q_heads, head_dim]; sequence i owns query rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (int32[num_seqs + 1]), which are
     the last positions of its ``context_lens[i]`` tokens, so a prompt whose
     prefix is already cached computes only its suffix. Rows past
-    ``query_start_loc[-1]`` are padding and return zeros.
+    ``query_start_loc[-1]`` are padding and return zeros. new_kv: optionally (k, v),
+    the step's own keys and values in token order ([num_tokens, num_kv_heads, head_dim]
+    each, as written to the cache): a Hopper GPU may then attend over them with cuDNN's
+    flash attention when no sequence has a cached prefix (:func:`cudnn_prompts`).
     Returns [num_tokens, num_q_heads, head_dim].
     """
     _check(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(ragged.ragged_paged_attention, scale=scale)
+    cuda = _cuda_kernel(q, k_cache, scale, triton=ragged.ragged_paged_attention, mosaic=hopper_ragged_paged_attention)
+    if new_kv is not None and cudnn_prompts(q):
+        cuda = prompts.or_paged(cuda, new_kv, scale)
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         cpu=_cpu_kernel(native.ragged_paged_attention, ragged.ragged_paged_attention, q, k_cache, scale),
-        cuda=_cuda_kernel(q, k_cache, scale, triton=ragged.ragged_paged_attention,
-                          mosaic=hopper_ragged_paged_attention),
+        cuda=cuda,
         rocm=functools.partial(common, tiling=tiling.GPU, interpret=False),
         tpu=functools.partial(decode_tpu.ragged_paged_attention, scale=scale),
     )

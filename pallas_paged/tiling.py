@@ -97,6 +97,8 @@ class HopperTiling:
     target_programs: as :class:`Tiling`'s: decodes with fewer programs split (flash-decoding).
     min_capability: the oldest GPU generation that runs them (wgmma and TMA: Hopper, sm90).
     enabled: whether such GPUs run them unless told otherwise (``PALLAS_PAGED_GPU_ATTENTION``).
+    cudnn_prompts: whether such GPUs run a step of whole fresh prompts through cuDNN's flash
+        attention instead (:mod:`pallas_paged.prompts`; ``PALLAS_PAGED_CUDNN_PROMPTS``).
 
     A ragged tile is always 64 query rows (a wgmma's height): 64 tokens without GQA, 16 with
     groups of 3 or 4 query heads (padded to 4).
@@ -107,6 +109,7 @@ class HopperTiling:
     target_programs: int
     min_capability: float
     enabled: bool
+    cudnn_prompts: bool = False
 
     def decode_splits(self, programs: int, max_steps: int) -> int:
         """As :meth:`Tiling.decode_splits`, with this ``target_programs``."""
@@ -121,6 +124,8 @@ class HopperTiling:
 # them against the Triton kernels, dense attention and cuDNN on an H100 (benchmarks/gpu_kernels.py:
 # the "Mosaic GPU" columns) and `make test-gpu` has checked them compiled against the oracle;
 # then `enabled` records that measurement. `PALLAS_PAGED_GPU_ATTENTION=mosaic` runs them now.
+# cuDNN for fresh prompts: off until measured alike (the prefill table's "cuDNN prompts" column);
+# `PALLAS_PAGED_CUDNN_PROMPTS=1` runs it now.
 HOPPER = HopperTiling(keys_per_step=64, stages=2, target_programs=2 * 132, min_capability=9.0, enabled=False)
 
 

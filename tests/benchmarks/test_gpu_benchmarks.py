@@ -52,8 +52,8 @@ def test_kernels_quick_marks_gpu_columns_and_writes_only_the_quick_file(results)
     assert len(decode_rows) == len(gpu_kernels.QUICK_DECODE) and len(prefill_rows) == len(gpu_kernels.QUICK_PREFILL)
     for row in decode_rows:  # ours, dense: timed; ours before issue 41, JAX's paged op (Triton), Mosaic GPU: n/a
         assert positive(row[3]) and row[5] == NO_GPU and positive(row[7]) and row[9] == NO_GPU and row[11] == NO_GPU
-    for row in prefill_rows:  # ours, XLA: timed; ours before issue 41, cuDNN, Mosaic GPU: n/a
-        assert positive(row[3]) and row[4] == NO_GPU and row[5] == NO_GPU and positive(row[6]) and row[7] == NO_GPU
+    for row in prefill_rows:  # ours, XLA: timed; ours before issue 41, cuDNN, Mosaic GPU, cuDNN prompts: n/a
+        assert positive(row[3]) and row[4] == row[5] == NO_GPU and positive(row[6]) and row[7] == row[8] == NO_GPU
 
 
 @off_gpu

@@ -81,6 +81,24 @@ def test_hopper_ragged_compiled_matches_oracle(dtype, heads, head_dim):
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@HEADS
+@pytest.mark.parametrize("fresh", [True, False], ids=["whole-prompts:cudnn", "cached-prefix:paged"])
+def test_cudnn_for_fresh_prompts_matches_oracle(monkeypatch, dtype, heads, fresh):
+    """With PALLAS_PAGED_CUDNN_PROMPTS=1, a step of whole prompts (and padding) runs cuDNN's
+    flash attention over the step's own K and V; a step with a cached prefix, the paged kernel.
+    Both as the oracle."""
+    hopper_or_skip()
+    monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+    seqs = [(45, 45), (64, 64), (700, 700), (1, 1), (0, 0)] if fresh else [(45, 45), (300, 60), (1, 1)]
+    s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=64, block_size=16, dtype=dtype, padding_tokens=5)
+    step = jax.jit(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]))
+    assert "cudnn" in step.lower(*s.ragged_args, *s.new_kv()).compile().as_text()
+    actual = step(*s.ragged_args, *s.new_kv())
+    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.bfloat16)
+    assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
+
+
 @gpu_only
 @pytest.mark.parametrize("op", ["decode", "ragged"])
 def test_the_gpu_runs_the_triton_kernels(op):

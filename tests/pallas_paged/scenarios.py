@@ -27,6 +27,21 @@ class Scenario:
     def ragged_args(self):
         return (*self.decode_args, self.query_start_loc)
 
+    def new_kv(self):
+        """The step's own keys and values as the model would pass them (``new_kv``): each
+        query token's K and V, read from its slot, in token order; zeros for padding tokens.
+        (k, v), each [tokens, kv_heads, d]."""
+        starts, lens = np.asarray(self.query_start_loc), np.asarray(self.context_lens)
+        tables, block_size = np.asarray(self.block_tables), self.k_cache.shape[2]
+        k_cache, v_cache = (np.asarray(c.astype(jnp.float32)) for c in (self.k_cache, self.v_cache))
+        k, v = (np.zeros((self.q.shape[0], *c.shape[::3]), np.float32) for c in (k_cache, v_cache))
+        for seq in range(len(lens)):
+            for token in range(starts[seq], starts[seq + 1]):
+                position = lens[seq] - (starts[seq + 1] - token)
+                block, offset = tables[seq, position // block_size], position % block_size
+                k[token], v[token] = k_cache[:, block, offset], v_cache[:, block, offset]
+        return jnp.asarray(k, self.q.dtype), jnp.asarray(v, self.q.dtype)
+
 
 def make(seqs, *, q_heads, kv_heads, head_dim, block_size, dtype=jnp.float32, padding_tokens=0, seed=0):
     """Build a scenario for ``seqs``, a list of (context_len, query_len).

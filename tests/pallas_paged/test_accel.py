@@ -91,3 +91,30 @@ def test_mosaic_gpu_kernels_compile_for_h100(monkeypatch, q_heads, kv_heads, hea
                            tokens={"ragged": 64, "decode": seqs, "decode-split": seqs}[op], ragged=op == "ragged",
                            seqs=seqs)
     assert "mosaic_gpu" in compiled.as_text()
+
+
+def test_cudnn_for_fresh_prompts_compiles_for_h100(monkeypatch):
+    """Ragged attention with the step's own K and V (``new_kv``) and cuDNN chosen for fresh
+    prompts: the step's program holds both cuDNN's flash attention and the paged kernel."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    # JAX asks the first GPU for its generation before it lowers the packed layout; a
+    # compile-only H100 has no device to ask, so answer for it.
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+    monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+    mesh = jax.sharding.Mesh(gpu_devices()[:1], ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    tokens, seqs, cache = 256, 4, spec((8, 256, 16, 128))
+    args = [spec((tokens, 32, 128)), cache, cache, spec((seqs, 32), jnp.int32), spec((seqs,), jnp.int32),
+            spec((seqs + 1,), jnp.int32), spec((tokens, 8, 128)), spec((tokens, 8, 128))]
+
+    def step(q, k_cache, v_cache, tables, lens, starts, k, v):
+        return pallas_paged.ragged_paged_attention(q, k_cache, v_cache, tables, lens, starts, new_kv=(k, v))
+
+    text = jax.jit(step).lower(*args).compile().as_text()
+    assert "__cudnn$fmha" in text and "triton" in text
