@@ -10,7 +10,7 @@ the same work as dense XLA attention on a contiguous ``[seqs, kv_heads, context,
 bar paging is measured against; JAX's own Pallas GPU paged op
 (``jax.experimental.pallas.ops.gpu.paged_attention``, deprecated since JAX 0.11) on the same
 paged cache; and ours with the tiling it had before issue 41 (16 keys per step, no split over
-the context), so that one run measures that change (in prefill too); and on sm90+ the Mosaic GPU
+the context), so that one run measures that change (in prefill too); and on a Hopper the Mosaic GPU
 kernels (``pallas_paged.hopper_paged_attention`` and ``hopper_ragged_paged_attention``, TMA and
 wgmma), whether or not ``tiling.HOPPER`` has the public ops run them yet, and in prefill our op
 sending whole fresh prompts to cuDNN (``PALLAS_PAGED_CUDNN_PROMPTS=1``). Effective GB/s: bytes of K/V read plus q
@@ -26,13 +26,13 @@ Off a GPU the GPU-only columns say "n/a (no GPU)"; an op that fails shows its er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import warnings
-from collections.abc import Callable
-from unittest import mock
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -209,12 +209,11 @@ def decode_row(case: Case, key: jax.Array, rng: np.random.Generator, mismatches:
 def hopper_variant(kernel: Callable, paged: tuple):
     """A Mosaic GPU kernel (``pallas_paged.hopper_paged_attention`` or
     ``hopper_ragged_paged_attention``, with ``tiling.HOPPER``'s knobs) on ``paged``, whether or
-    not the public ops run it yet; a cell saying why not off an sm90+ GPU."""
+    not the public ops run it yet; a cell saying why not off a Hopper."""
     if not on_gpu():
         return NO_GPU
-    capability = pallas_paged.cuda_capability()
-    if not capability or capability < tiling.HOPPER.min_capability:
-        return f"n/a (sm{capability or '?'}: needs {tiling.HOPPER.min_capability}+)"
+    if not pallas_paged.hopper_gpu():
+        return f"n/a (compute capability {pallas_paged.cuda_capability()}: not a Hopper)"
     scale = paged[0].shape[-1] ** -0.5
     return build(functools.partial(kernel, scale=scale), paged, kernel=True)
 
@@ -224,6 +223,20 @@ def before_issue_41(q, k_cache, v_cache, block_tables, context_lens):
     split): the A/B of that change, in the same run."""
     return decode.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=q.shape[-1] ** -0.5,
                                   tiling=tiling.GPU_BEFORE_ISSUE_41, interpret=False)
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block, as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def time_and_rate(seconds: float | str, moved: int) -> list:
@@ -275,8 +288,11 @@ def cudnn_prompts_variant(paged: tuple, k: jax.Array, v: jax.Array):
     of choosing it on the device included. k, v: contiguous [seqs, kv_heads, ctx, d]."""
     if not on_gpu():
         return NO_GPU
+    capability = pallas_paged.cuda_capability()
+    if not capability or capability < tiling.HOPPER.generation:
+        return f"n/a (compute capability {capability}: cuDNN's packed layout needs a Hopper or later)"
     tokens = [x.swapaxes(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v)]
-    with mock.patch.dict(os.environ, {"PALLAS_PAGED_CUDNN_PROMPTS": "1"}):
+    with environment("PALLAS_PAGED_CUDNN_PROMPTS", "1"):  # read when the op is traced, in build
         return build(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]),
                      (*paged, *tokens), kernel=True)
 

@@ -112,13 +112,23 @@ def cuda_capability() -> float | None:
         return None
 
 
+def hopper_gpu() -> bool:
+    """Whether this process's GPU is a Hopper (compute capability 9.x), the generation the
+    Mosaic GPU kernels are written for: wgmma is sm_90a's, and Blackwell (10.x) has others."""
+    capability = cuda_capability()
+    return bool(capability) and int(capability) == tiling.HOPPER.generation
+
+
 def gpu_kernel(q, k_cache) -> str:
     """Which kernels a CUDA GPU runs for attention over these arrays (decode and ragged):
     ``"mosaic"`` (:mod:`hopper`) or ``"triton"`` (:mod:`decode`, :mod:`ragged`).
-    ``PALLAS_PAGED_GPU_ATTENTION``: ``auto`` (the default) runs Mosaic GPU where
-    :data:`tiling.HOPPER` is enabled and the GPU is new enough; ``mosaic`` or ``triton`` choose,
-    whatever the GPU (``mosaic``: for the shapes it takes, see :func:`hopper.supports`; Triton
-    for the others). Read when a function is traced."""
+
+    q: [tokens, q_heads, d]; k_cache: [kv_heads, blocks, block_size, d] (shapes and dtypes
+    are all it reads). ``PALLAS_PAGED_GPU_ATTENTION``: ``auto`` (the default) runs Mosaic GPU
+    on a Hopper (:func:`hopper_gpu`) where :data:`tiling.HOPPER` is enabled; ``mosaic`` or
+    ``triton`` choose, whatever the GPU (``mosaic``: for the shapes it takes, see
+    :func:`hopper.supports`; Triton for the others). Read when a function is traced.
+    """
     choice = os.environ.get("PALLAS_PAGED_GPU_ATTENTION", "auto")
     if choice not in ("auto", "mosaic", "triton"):
         raise ValueError(f"PALLAS_PAGED_GPU_ATTENTION must be auto, mosaic or triton, not {choice!r}")
@@ -126,23 +136,25 @@ def gpu_kernel(q, k_cache) -> str:
     knobs = tiling.HOPPER
     fits = hopper.supports(q.dtype, k_cache.dtype, q.shape[-2], kv_heads, head_dim, block_size, knobs.keys_per_step)
     if choice == "auto":
-        capability = cuda_capability()
-        choice = "mosaic" if knobs.enabled and capability and capability >= knobs.min_capability else "triton"
+        choice = "mosaic" if knobs.enabled and hopper_gpu() else "triton"
     return "mosaic" if choice == "mosaic" and fits else "triton"
 
 
 def cudnn_prompts(q) -> bool:
     """Whether a CUDA GPU runs steps of whole fresh prompts through cuDNN's flash attention
-    (:mod:`prompts`): ``PALLAS_PAGED_CUDNN_PROMPTS`` (1 or 0) if set, else where
-    :data:`tiling.HOPPER`'s ``cudnn_prompts`` is on and the GPU is a Hopper or later (cuDNN's
-    packed layout needs one); and only for the queries it takes (:func:`prompts.supports`)."""
-    knobs, capability = tiling.HOPPER, cuda_capability()
-    hopper_gpu = bool(capability and capability >= knobs.min_capability)
-    return prompts.enabled(knobs.cudnn_prompts and hopper_gpu) and prompts.supports(q.dtype, q.shape[-1])
+    (:mod:`prompts`). q: [tokens, q_heads, d] (its dtype and head size are all it reads).
+    ``PALLAS_PAGED_CUDNN_PROMPTS`` (1 or 0) if set, else where :data:`tiling.HOPPER`'s
+    ``cudnn_prompts`` is on and the GPU is a Hopper or later (cuDNN's packed layout needs one;
+    ``=1`` on an older GPU fails to compile); and only for the queries it takes
+    (:func:`prompts.supports`)."""
+    capability = cuda_capability()
+    hopper_or_later = bool(capability) and capability >= tiling.HOPPER.generation
+    return prompts.enabled(tiling.HOPPER.cudnn_prompts and hopper_or_later) and prompts.supports(q.dtype, q.shape[-1])
 
 
 def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
-    """What a CUDA GPU runs for an op (:func:`gpu_kernel`): ``triton`` or ``mosaic``, given ``scale``."""
+    """What a CUDA GPU runs for an op over q [tokens, q_heads, d] and k_cache [kv_heads,
+    blocks, block_size, d] (:func:`gpu_kernel`): ``triton`` or ``mosaic``, given ``scale``."""
     if gpu_kernel(q, k_cache) == "triton":
         return functools.partial(triton, scale=scale, tiling=tiling.GPU, interpret=False)
     return functools.partial(mosaic, scale=scale)
@@ -208,7 +220,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(ragged.ragged_paged_attention, scale=scale)
     cuda = _cuda_kernel(q, k_cache, scale, triton=ragged.ragged_paged_attention, mosaic=hopper_ragged_paged_attention)
-    if new_kv is not None and cudnn_prompts(q):
+    if cudnn_prompts(q) and new_kv is not None:  # the setting checked on every ragged call
         cuda = prompts.or_paged(cuda, new_kv, scale)
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,

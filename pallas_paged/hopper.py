@@ -1,4 +1,4 @@
-"""Paged attention for Hopper (sm90) and later, in Mosaic GPU (issue 41): decode and ragged.
+"""Paged attention for Hopper (sm90), in Mosaic GPU (issue 41): decode and ragged.
 
 One program (a warpgroup) per (KV head, sequence[, split]) in decode, per (KV head, query
 tile) in ragged attention. The sequence's KV blocks are brought from the cache into shared
@@ -12,7 +12,7 @@ steps over several programs and merges them after (flash-decoding), as :mod:`dec
 
 Both keep the Triton kernels' arrays and numerics contract: products in the cache's dtype
 with float32 accumulation, float32 softmax, rows that see no key return zeros. They run
-compiled on sm90+, and on a CPU in Mosaic GPU's interpret mode (:func:`interpret_params`),
+compiled on a Hopper, and on a CPU in Mosaic GPU's interpret mode (:func:`interpret_params`),
 which simulates shared memory, TMA and barriers; tests check them there against the oracle.
 """
 

@@ -21,6 +21,10 @@ import jax
 import jax.numpy as jnp
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Before 0.12, JAX strides the packed keys' and values' segment offsets by the number of query
+# heads, not their own (`_fix_seqlen_offsets`): with GQA the second segment's keys would be read
+# from the wrong tokens. There, K and V get one head per query head.
+KV_OFFSETS_BY_QUERY_HEADS = jax.__version_info__ < (0, 12)
 
 
 def enabled(default: bool) -> bool:
@@ -75,6 +79,8 @@ def cudnn_attention(q, k, v, query_start_loc, *, scale):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     seqlens, offsets = packed_segments(query_start_loc)
+    if KV_OFFSETS_BY_QUERY_HEADS and k.shape[1] != q.shape[1]:
+        k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))  # head h reads h // group
     out = cudnn.dot_product_attention(q[None], k[None], v[None], q_seqlen=seqlens, kv_seqlen=seqlens,
                                       q_offsets=offsets, kv_offsets=offsets, scale=scale,
                                       mask_type=cudnn.MaskType.CAUSAL)[0]

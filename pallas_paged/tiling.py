@@ -95,7 +95,8 @@ class HopperTiling:
     keys_per_step: keys of one step's tile (whole blocks; a multiple of 64, a wgmma's width).
     stages: tiles in shared memory at once, the next ones copying while one is computed.
     target_programs: as :class:`Tiling`'s: decodes with fewer programs split (flash-decoding).
-    min_capability: the oldest GPU generation that runs them (wgmma and TMA: Hopper, sm90).
+    generation: the GPU generation (compute capability's major version) they are written for:
+        9, Hopper (wgmma is sm_90a's; Blackwell, 10, has tcgen05 instead).
     enabled: whether such GPUs run them unless told otherwise (``PALLAS_PAGED_GPU_ATTENTION``).
     cudnn_prompts: whether such GPUs run a step of whole fresh prompts through cuDNN's flash
         attention instead (:mod:`pallas_paged.prompts`; ``PALLAS_PAGED_CUDNN_PROMPTS``).
@@ -107,7 +108,7 @@ class HopperTiling:
     keys_per_step: int
     stages: int
     target_programs: int
-    min_capability: float
+    generation: int
     enabled: bool
     cudnn_prompts: bool = False
 
@@ -117,16 +118,16 @@ class HopperTiling:
 
 
 # Not measured: no GPU has run these kernels yet. 64 keys (a wgmma's width) and 2 tiles in flight
-# keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory, 80-115 KB with the
-# query rows and a split's float32 accumulator, so two programs fit an SM's 227 KB (`make
-# test-accel` compiles them for an H100, which refuses a kernel over it); splits as the Triton
-# kernel's. Off by default until `make bench-gpu` has timed
-# them against the Triton kernels, dense attention and cuDNN on an H100 (benchmarks/gpu_kernels.py:
-# the "Mosaic GPU" columns) and `make test-gpu` has checked them compiled against the oracle;
-# then `enabled` records that measurement. `PALLAS_PAGED_GPU_ATTENTION=mosaic` runs them now.
-# cuDNN for fresh prompts: off until measured alike (the prefill table's "cuDNN prompts" column);
-# `PALLAS_PAGED_CUDNN_PROMPTS=1` runs it now.
-HOPPER = HopperTiling(keys_per_step=64, stages=2, target_programs=2 * 132, min_capability=9.0, enabled=False)
+# keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory: 80-84 KB with the
+# query rows, so two programs fit an SM's 227 KB; a split decode's float32 accumulator takes it to
+# 115 KB at head size 128, one program an SM (`make test-accel` compiles them for an H100, which
+# refuses a kernel over 227 KB). Splits as the Triton kernel's, which count on two an SM. Off by
+# default until `make bench-gpu` has timed them against the Triton kernels, dense attention and
+# cuDNN on an H100 (benchmarks/gpu_kernels.py: the "Mosaic GPU" columns) and `make test-gpu` has
+# checked them compiled against the oracle; then `enabled` records that measurement.
+# `PALLAS_PAGED_GPU_ATTENTION=mosaic` runs them now. cuDNN for fresh prompts: off until measured
+# alike (the prefill table's "cuDNN prompts" column); `PALLAS_PAGED_CUDNN_PROMPTS=1` runs it now.
+HOPPER = HopperTiling(keys_per_step=64, stages=2, target_programs=2 * 132, generation=9, enabled=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,8 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="checks what the GPU compiles")
 
 
 def hopper_or_skip():
-    """Skip unless this GPU is one the Mosaic GPU kernels compile for (sm90+)."""
-    capability = pallas_paged.cuda_capability()
-    if not capability or capability < tiling.HOPPER.min_capability:
-        pytest.skip(f"the Mosaic GPU kernels need compute capability {tiling.HOPPER.min_capability}+, "
-                    f"not {capability}")
+    """Skip unless this GPU is a Hopper, which the Mosaic GPU kernels (and cuDNN's packed
+    layout, Hopper or later) are written for."""
+    if not pallas_paged.hopper_gpu():
+        pytest.skip(f"needs a Hopper GPU (compute capability {tiling.HOPPER.generation}.x), "
+                    f"not {pallas_paged.cuda_capability()}")

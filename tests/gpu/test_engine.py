@@ -4,14 +4,13 @@ device's memory, and the server answering the ``openai`` client."""
 
 from __future__ import annotations
 
-import jax
 import openai
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-import pallas_paged
 from engine import LLM, SamplingParams
+from pallas_paged import hopper
 from tests.engine.server import running_server
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches, prompts, tiny_llm
 from tests.gpu.conftest import gpu_only, hopper_or_skip
@@ -48,11 +47,17 @@ def test_the_mosaic_gpu_kernels_match_hugging_face(dtype, tmp_path, monkeypatch)
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
     monkeypatch.setitem(tiny_models.TINY_CONFIGS, "llama_head64",
                         dict(tiny_models.TINY_CONFIGS["llama_gqa_tied"], head_dim=64))
-    llm, config = tiny_llm("llama_head64", tmp_path, dtype=dtype)
-    q = jax.ShapeDtypeStruct((1, config.num_attention_heads, 64), dtype)
-    cache = jax.ShapeDtypeStruct((config.num_key_value_heads, 8, ENGINE["block_size"], 64), dtype)
-    assert pallas_paged.gpu_kernel(q, cache) == "mosaic"
+    traced = []
+
+    def spied(name):
+        kernel = getattr(hopper, name)
+        return lambda *arrays, **options: traced.append(name) or kernel(*arrays, **options)
+
+    for name in ("paged_attention", "ragged_paged_attention"):
+        monkeypatch.setattr(hopper, name, spied(name))
+    llm, _ = tiny_llm("llama_head64", tmp_path, dtype=dtype)
     assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
+    assert {"paged_attention", "ragged_paged_attention"} <= set(traced), "the engine did not run the Mosaic kernels"
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -1,4 +1,4 @@
-"""The kernels as the GPU compiles them (Triton; Mosaic GPU's on sm90+), against the
+"""The kernels as the GPU compiles them (Triton; Mosaic GPU's on a Hopper), against the
 dense oracle: float32 at the oracle's tight tolerance (full-precision products, not TF32),
 16-bit at bfloat16's; and the cache and swap operations, exact."""
 
@@ -89,16 +89,22 @@ def test_hopper_ragged_compiled_matches_oracle(dtype, heads, head_dim):
 def test_cudnn_for_fresh_prompts_matches_oracle(monkeypatch, dtype, heads, head_dim, fresh):
     """With PALLAS_PAGED_CUDNN_PROMPTS=1, a step of whole prompts (and padding) runs cuDNN's
     flash attention over the step's own K and V; a step with a cached prefix, the paged kernel.
-    Both as the oracle."""
+    Both as the oracle, each given inputs only its own path can use: the fresh step a cache of
+    NaN, the other zeros for its own K and V."""
     hopper_or_skip()
     monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
     seqs = [(45, 45), (64, 64), (700, 700), (1, 1), (0, 0)] if fresh else [(45, 45), (300, 60), (1, 1)]
     s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=16, dtype=dtype,
              padding_tokens=5)
+    expected = reference.ragged_paged_attention(*s.ragged_args)
+    q, k_cache, v_cache, *rest = s.ragged_args
+    if fresh:
+        k_cache, v_cache, new_kv = jnp.full_like(k_cache, jnp.nan), jnp.full_like(v_cache, jnp.nan), s.new_kv()
+    else:
+        new_kv = tuple(jnp.zeros_like(x) for x in s.new_kv())
     step = jax.jit(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]))
-    assert "cudnn" in step.lower(*s.ragged_args, *s.new_kv()).compile().as_text()
-    actual = step(*s.ragged_args, *s.new_kv())
-    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.bfloat16)
+    actual = step(q, k_cache, v_cache, *rest, *new_kv)
+    assert_close(actual, expected, jnp.bfloat16)
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
 
 

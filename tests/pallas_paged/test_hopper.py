@@ -74,7 +74,7 @@ def _kernel_for(dtype=jnp.bfloat16, heads=(32, 8), head_dim=128, block_size=16):
 
 
 @pytest.mark.parametrize("capability,enabled,expected", [
-    (9.0, True, "mosaic"), (10.0, True, "mosaic"), (8.9, True, "triton"), (9.0, False, "triton"),
+    (9.0, True, "mosaic"), (10.0, True, "triton"), (8.9, True, "triton"), (9.0, False, "triton"),  # 10: Blackwell
     (None, True, "triton"),
 ])
 def test_gpu_generation_chooses_the_kernels(monkeypatch, capability, enabled, expected):
