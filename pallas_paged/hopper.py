@@ -201,7 +201,8 @@ def _scoped(body, q_dtype, cache_dtype, head_dim: int, keys: int, blocks_per_ste
 def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_per_step, stages, splits, scale,
                    interpret):
     """Body of one decode program; ``out_refs``: the output ([seqs, kv_heads, rows, d]), or
-    with splits the float32 accumulators, maxima and sums ([splits, seqs, kv_heads, rows(, d)])."""
+    with splits each split's normalised output (q's dtype), its row maxima and sums (float32)
+    ([splits, seqs, kv_heads, rows(, d)])."""
     keys, head_dim = blocks_per_step * k_ref.shape[2], k_ref.shape[3]
     head, seq = jax.lax.axis_index("heads"), jax.lax.axis_index("seqs")
     context_len = lens_ref[seq]
@@ -211,14 +212,13 @@ def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, blocks_
         per_split = pl.cdiv(last, splits)
         first, last = split * per_split, jnp.minimum((split + 1) * per_split, last)
 
-    def body(q_smem, k_smem, v_smem, acc_smem, stats_smem, q_ready, k_ready, v_ready):
+    def body(q_smem, k_smem, v_smem, stats_smem, q_ready, k_ready, v_ready):
         program = _Program(seq, head, context_len, tables_ref, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
                            blocks_per_step, stages, scale, _Layouts(interpret))
         state = program.attend(q_smem, q_ready, q_ref.at[seq, head], first, last)
-        _store(out_refs, q_smem, acc_smem, stats_smem, *state, seq, head, q_ref.shape[2], split)
+        _store(out_refs, q_smem, stats_smem, *state, seq, head, q_ref.shape[2], split)
 
     _scoped(body, q_ref.dtype, k_ref.dtype, head_dim, keys, blocks_per_step, stages,
-            plgpu.SMEM((ROWS, head_dim) if splits > 1 else (8, 64), jnp.float32),  # a split's accumulator
             plgpu.SMEM((2, ROWS), jnp.float32))
 
 
@@ -265,17 +265,19 @@ def _write_normalised(o_smem, acc, row_sum, o_rows, rows: int):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _store(out_refs, o_smem, acc_smem, stats_smem, acc, row_max, row_sum, seq, head, group_rows, split):
-    """Write the program's rows: normalised (no split), or its accumulators for the merge."""
+def _store(out_refs, o_smem, stats_smem, acc, row_max, row_sum, seq, head, group_rows, split):
+    """Write the program's rows, normalised; with splits, into its split's slot, with the row
+    maxima and sums the merge weighs them by. The partial outputs are in q's dtype, as vLLM's
+    split decode keeps them: a float32 accumulator would take another 32 KB of shared memory
+    (one program an SM at head size 128, not two) and twice the writes."""
     if split is None:
         _write_normalised(o_smem, acc, row_sum, out_refs[0].at[seq, head], group_rows)
         return
-    acc_ref, max_ref, sum_ref = out_refs
-    acc_smem[...] = acc
+    partial_ref, max_ref, sum_ref = out_refs
+    _write_normalised(o_smem, acc, row_sum, partial_ref.at[split, seq, head], group_rows)
     stats_smem[0] = row_max / _LOG2E  # the natural-log maximum, as decode._merge takes it
     stats_smem[1] = row_sum
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(0, group_rows)], acc_ref.at[split, seq, head])
     plgpu.copy_smem_to_gmem(stats_smem.at[0, pl.ds(0, group_rows)], max_ref.at[split, seq, head])
     plgpu.copy_smem_to_gmem(stats_smem.at[1, pl.ds(0, group_rows)], sum_ref.at[split, seq, head])
     plgpu.wait_smem_to_gmem(0)
@@ -300,7 +302,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, k
         out_type = jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)
     else:
         stats = jax.ShapeDtypeStruct((splits, seqs, kv_heads, group_rows), jnp.float32)
-        out_type = (jax.ShapeDtypeStruct((splits, *q_tiles.shape), jnp.float32), stats, stats)
+        out_type = (jax.ShapeDtypeStruct((splits, *q_tiles.shape), q.dtype), stats, stats)
     kernel = functools.partial(_decode_kernel, blocks_per_step=blocks_per_step, stages=stages, splits=splits,
                                scale=scale, interpret=interpret)
     out = plgpu.kernel(
@@ -313,8 +315,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, k
         kernel_name="paged_decode_attention_sm90",
     )(block_tables.astype(jnp.int32), context_lens.astype(jnp.int32), q_tiles, k_cache, v_cache)
     if splits > 1:
-        acc, row_max, row_sum = out
-        out = decode._merge(acc, row_max[..., None], row_sum[..., None]).astype(q.dtype)
+        partial, row_max, row_sum = out  # each split's normalised output: its accumulator is output x sum
+        out = decode._merge(partial * row_sum[..., None], row_max[..., None], row_sum[..., None]).astype(q.dtype)
     out = jnp.where((context_lens > 0)[:, None, None, None], out[:, :, :group], 0)
     return out.reshape(seqs, q_heads, head_dim)
 

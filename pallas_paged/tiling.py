@@ -119,9 +119,9 @@ class HopperTiling:
 
 # Not measured: no GPU has run these kernels yet. 64 keys (a wgmma's width) and 2 tiles in flight
 # keep 64 KB of K and V per program (bfloat16, head size 128) in shared memory: 80-84 KB with the
-# query rows, so two programs fit an SM's 227 KB; a split decode's float32 accumulator takes it to
-# 115 KB at head size 128, one program an SM (`make test-accel` compiles them for an H100, which
-# refuses a kernel over 227 KB). Splits as the Triton kernel's, which count on two an SM. Off by
+# query rows, so two programs fit an SM's 227 KB (`make test-accel` compiles them for an H100,
+# which refuses a kernel over it; splits write their partial outputs in q's dtype, as vLLM's do,
+# to stay there). Splits as the Triton kernel's, which count on two programs an SM. Off by
 # default until `make bench-gpu` has timed them against the Triton kernels, dense attention and
 # cuDNN on an H100 (benchmarks/gpu_kernels.py: the "Mosaic GPU" columns) and `make test-gpu` has
 # checked them compiled against the oracle; then `enabled` records that measurement.
