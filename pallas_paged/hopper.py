@@ -125,6 +125,7 @@ class _Program:
 
     @property
     def keys(self) -> int:
+        """Keys in one step's tile."""
         return self.blocks_per_step * self.k_ref.shape[2]
 
     def fetch(self, step):
@@ -162,7 +163,6 @@ class _Program:
         pl.when(i + self.stages < last)(functools.partial(self.fetch, i + self.stages))  # the slot is read
         return acc, new_max, row_sum
 
-
     def attend(self, q_smem, q_ready, q_source, first, last):
         """Fill the ring's first slots, copy ``q_source`` ([rows, d] in memory, at most
         :data:`ROWS`; the rest of ``q_smem`` zero) into ``q_smem``, and fold steps ``first`` to
@@ -187,7 +187,7 @@ def _scoped(body, q_dtype, cache_dtype, head_dim: int, keys: int, blocks_per_ste
     the barriers."""
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
-        lambda q_smem, k_smem, v_smem, *rest: body(q_smem, k_smem, v_smem, *rest),
+        body,
         plgpu.SMEM((ROWS, head_dim), q_dtype, transforms=transforms),
         plgpu.SMEM((stages, keys, head_dim), cache_dtype, transforms=transforms),
         plgpu.SMEM((stages, keys, head_dim), cache_dtype, transforms=transforms),
