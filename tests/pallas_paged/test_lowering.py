@@ -82,6 +82,41 @@ def test_hopper_ragged_lowers_to_a_mosaic_gpu_kernel(monkeypatch, q_heads, kv_he
     assert MOSAIC_GPU in module and TRITON not in module
 
 
+def test_hopper_tma_copies_start_at_whole_tiles(monkeypatch):
+    """Mosaic GPU lays its 8-row tiles over memory too: a TMA copy into a tiled buffer from a
+    dynamic row of memory cuts through them, and on a GPU the rows past a tile's edge come back
+    as zeros, silently (interpret mode slices memory directly, so its tests cannot see it). Every
+    tiled copy of the Hopper kernels must address the tiled dimensions statically."""
+    from jax.experimental.mosaic.gpu import launch_context
+
+    tiled_dims, original = [], launch_context.LaunchContext._prepare_async_copy
+
+    def spy(self, gmem_ref, gmem_slice, gmem_transform, *args, **kwargs):
+        if gmem_transform:
+            tiled_dims.append(tuple(static_start(index) for index in gmem_slice[-2:]))
+        return original(self, gmem_ref, gmem_slice, gmem_transform, *args, **kwargs)
+
+    monkeypatch.setattr(launch_context.LaunchContext, "_prepare_async_copy", spy)
+    monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+    for seqs in (4, 512):  # split and not
+        args = attention_args(8, 2, 64, 16, jnp.bfloat16, tokens=seqs, seqs=seqs)
+        export(lambda *arrays: pallas_paged.paged_attention(*arrays), args, "cuda")
+    args = attention_args(8, 2, 64, 16, jnp.bfloat16, tokens=100) + [jax.ShapeDtypeStruct((5,), jnp.int32)]
+    export(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays), args, "cuda")
+    assert tiled_dims and set(tiled_dims) == {(True, True)}, "a tiled TMA copy starts at a dynamic row or column"
+
+
+def static_start(index) -> bool:
+    """Whether one dimension's index of a Mosaic GPU copy starts where lowering knows it: a
+    slice, or a slice whose start is a constant (JAX 0.12 passes those as casts of constants)."""
+    if isinstance(index, slice):
+        return True
+    start = getattr(index, "base", index)
+    while getattr(getattr(start, "owner", None), "name", None) == "arith.index_cast":
+        start = start.owner.operands[0]
+    return isinstance(start, int) or getattr(getattr(start, "owner", None), "name", None) == "arith.constant"
+
+
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", SHAPES)
 def test_ragged_lowers_to_a_triton_kernel(q_heads, kv_heads, head_dim, block_size, dtype):
     args = attention_args(q_heads, kv_heads, head_dim, block_size, dtype, tokens=40)
