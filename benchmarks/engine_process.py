@@ -136,7 +136,7 @@ def report(args, runs, counts, rounds, repeats, output_tokens, seconds: float) -
     from benchmarks.timing import print_table, result_name, save_text
     from benchmarks.tiny_workload import PROMPT_TOKENS
     model = ("random bfloat16 weights in Llama-3.2-1B's shape (token ids only)" if args.gpu
-             else "host_overhead's tiny random LLaMA, float32, with SmolLM2's tokenizer (texts streamed)")
+             else "tiny_workload's tiny random LLaMA, float32, with SmolLM2's tokenizer (texts streamed)")
     note = (f"Machine: {machine()}.  \nEngine: git {revision()}.\n\n"
             f"N OpenAI completion streams at once through `OpenAIServing.completion_stream` (no sockets), "
             f"{PROMPT_TOKENS} random prompt tokens and {output_tokens} greedy tokens each; {model}. The engine on "

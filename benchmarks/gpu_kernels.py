@@ -26,13 +26,13 @@ Off a GPU the GPU-only columns say "n/a (no GPU)"; an op that fails shows its er
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -225,20 +225,6 @@ def before_issue_41(q, k_cache, v_cache, block_tables, context_lens):
                                   tiling=tiling.GPU_BEFORE_ISSUE_41, interpret=False)
 
 
-@contextlib.contextmanager
-def environment(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` inside the block, as it was after."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 def time_and_rate(seconds: float | str, moved: int) -> list:
     """Cells: microseconds and effective GB/s; a non-timing (n/a, error) and an empty cell."""
     return [number(seconds * 1e6), number(moved / seconds / 1e9)] if isinstance(seconds, float) else [seconds, ""]
@@ -288,11 +274,11 @@ def cudnn_prompts_variant(paged: tuple, k: jax.Array, v: jax.Array):
     of choosing it on the device included. k, v: contiguous [seqs, kv_heads, ctx, d]."""
     if not on_gpu():
         return NO_GPU
-    capability = pallas_paged.cuda_capability()
-    if not capability or capability < tiling.HOPPER.generation:
+    if not pallas_paged.hopper_or_later():
+        capability = pallas_paged.cuda_capability()
         return f"n/a (compute capability {capability}: cuDNN's packed layout needs a Hopper or later)"
     tokens = [x.swapaxes(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v)]
-    with environment("PALLAS_PAGED_CUDNN_PROMPTS", "1"):  # read when the op is traced, in build
+    with mock.patch.dict(os.environ, PALLAS_PAGED_CUDNN_PROMPTS="1"):  # read when the op is traced, in build
         return build(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]),
                      (*paged, *tokens), kernel=True)
 

@@ -15,13 +15,13 @@ table has the median and the slowest.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pathlib
 import shutil
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 from benchmarks import offline
 from benchmarks.timing import print_table, result_name, save_text
@@ -31,18 +31,9 @@ from tests.engine.server import running_server
 TARGET_SECONDS = 30.0
 
 
-@contextlib.contextmanager
 def cache_directory(path: str):
     """Run the servers started inside with ``path`` as their cache root."""
-    previous = os.environ.get("PALLAS_PAGED_CACHE_DIR")
-    os.environ["PALLAS_PAGED_CACHE_DIR"] = path
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["PALLAS_PAGED_CACHE_DIR"]
-        else:
-            os.environ["PALLAS_PAGED_CACHE_DIR"] = previous
+    return mock.patch.dict(os.environ, PALLAS_PAGED_CACHE_DIR=path)
 
 
 def installed_kernels() -> pathlib.Path:

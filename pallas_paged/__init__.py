@@ -119,6 +119,13 @@ def hopper_gpu() -> bool:
     return bool(capability) and int(capability) == tiling.HOPPER.generation
 
 
+def hopper_or_later() -> bool:
+    """Whether this process's GPU is a Hopper or a later generation (cuDNN's packed layout,
+    :mod:`prompts`, needs one)."""
+    capability = cuda_capability()
+    return bool(capability) and capability >= tiling.HOPPER.generation
+
+
 def gpu_kernel(q, k_cache) -> str:
     """Which kernels a CUDA GPU runs for attention over these arrays (decode and ragged):
     ``"mosaic"`` (:mod:`hopper`) or ``"triton"`` (:mod:`decode`, :mod:`ragged`).
@@ -147,9 +154,7 @@ def cudnn_prompts(q) -> bool:
     ``cudnn_prompts`` is on and the GPU is a Hopper or later (cuDNN's packed layout needs one;
     ``=1`` on an older GPU fails to compile); and only for the queries it takes
     (:func:`prompts.supports`)."""
-    capability = cuda_capability()
-    hopper_or_later = bool(capability) and capability >= tiling.HOPPER.generation
-    return prompts.enabled(tiling.HOPPER.cudnn_prompts and hopper_or_later) and prompts.supports(q.dtype, q.shape[-1])
+    return prompts.enabled(tiling.HOPPER.cudnn_prompts and hopper_or_later()) and prompts.supports(q.dtype, q.shape[-1])
 
 
 def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
