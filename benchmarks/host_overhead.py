@@ -8,9 +8,10 @@ Model: ``tests.models.tiny_models``' random ``llama_gqa_tied`` (2 layers, hidden
 2 KV heads, vocabulary 256), float32. Workload: N requests of 32 random prompt tokens, all
 submitted at once, each decoding exactly 64 tokens (``ignore_eos``) and returning its final
 output only (``RequestOutputKind.FINAL_ONLY``, which ``LLM.generate`` and the server's whole
-answers ask; streamed answers cost a ``RequestOutput`` per request per step more), in three
-modes: greedy and seeded sampling (temperature 0.8, top_p 0.9, a seed per request), token ids
-only (``detokenize=False``), and greedy with text, as ``LLM.generate`` returns it (SmolLM2's
+answers ask; streamed answers cost a ``RequestOutput`` per request per step more), in four
+modes: greedy and seeded sampling (temperature 0.8, top_p 0.9, a seed per request), the same
+sampling as N/4 requests of ``n=4`` parallel samples (N sequences), all three token ids only
+(``detokenize=False``), and greedy with text, as ``LLM.generate`` returns it (SmolLM2's
 tokenizer, saved beside the tiny model: :func:`write_model`). One engine per N, with
 ``max_num_seqs`` N and KV blocks for every sequence at full length (no preemption), the other
 settings the engine's defaults (async scheduling, prefix caching, 2048 tokens per step, so
@@ -64,6 +65,7 @@ from benchmarks.tiny_workload import (
     engine_settings,
     random_prompts,
     run_pass,
+    samples_per_prompt,
     write_model,
 )
 from engine import LLM
@@ -141,12 +143,15 @@ def measure(directory: pathlib.Path, count: int, rounds: int, output_tokens: int
     llm = LLM(str(directory), **engine_settings(count, output_tokens, num_scheduler_steps))
     vocab_size = llm.engine.model_config.vocab_size
     seeds = itertools.count(1)
+    def prompts(mode: str) -> list[list[int]]:  # N sequences
+        return random_prompts(count // samples_per_prompt(mode), vocab_size, next(seeds))
+
     for mode in MODES:  # compiles: prompts other than the timed ones, so the prefix cache does not hit
-        run_pass(llm, random_prompts(count, vocab_size, next(seeds)), mode, output_tokens)
+        run_pass(llm, prompts(mode), mode, output_tokens)
     passes = {mode: [] for mode in MODES}
     for _ in range(rounds):
         for mode in MODES:
-            passes[mode].append(run_pass(llm, random_prompts(count, vocab_size, next(seeds)), mode, output_tokens))
+            passes[mode].append(run_pass(llm, prompts(mode), mode, output_tokens))
     model_ms = model_alone_ms(llm, count)
     results = []
     for mode, runs in passes.items():
@@ -170,9 +175,10 @@ def profile(directory: pathlib.Path, count: int, mode: str, steps: int, output_t
     sorted by cumulative and by own time, with calls per step."""
     llm = LLM(str(directory), **engine_settings(count, output_tokens, num_scheduler_steps))
     vocab_size = llm.engine.model_config.vocab_size
-    run_pass(llm, random_prompts(count, vocab_size, 1), mode, output_tokens)
+    requests = count // samples_per_prompt(mode)
+    run_pass(llm, random_prompts(requests, vocab_size, 1), mode, output_tokens)
     profiler = cProfile.Profile()
-    run = run_pass(llm, random_prompts(count, vocab_size, 2), mode, output_tokens, profiler=profiler,
+    run = run_pass(llm, random_prompts(requests, vocab_size, 2), mode, output_tokens, profiler=profiler,
                    profile_steps=steps)
     profiled = run.decode_seconds[:steps]
     print(f"N={count} {mode}: {len(profiled)} decode steps profiled, {np.median(profiled) * 1e3:.2f} ms median "
@@ -296,7 +302,8 @@ def main(argv: list[str] | None = None) -> str:
             f"submitted at once; max_num_seqs N, KV blocks "
             f"for all, block size {BLOCK_SIZE}, prefix caching on, async scheduling on at k=1 (the defaults); k "
             f"decode steps per dispatch (`num_scheduler_steps`). "
-            f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded; both token ids only "
+            f"greedy: temperature 0; sampled: temperature 0.8, top_p 0.9, seeded; sampled, n=4: the same, "
+            f"N/4 requests of 4 parallel samples each (N sequences); these three token ids only "
             f"(`detokenize=False`); greedy, text: greedy with the text (`{TOKENIZER}`'s tokenizer), as "
             f"`LLM.generate` returns it. `LLMEngine.step()` timed after "
             f"a compiling pass (whose blocks stay in the prefix cache: the timed passes evict to allocate); only "

@@ -23,6 +23,7 @@ OUTPUT_TOKENS = 64
 BLOCK_SIZE = 16
 MODES = {"greedy": dict(temperature=0.0, detokenize=False),
          "sampled": dict(temperature=0.8, top_p=0.9, detokenize=False),
+         "sampled, n=4": dict(temperature=0.8, top_p=0.9, detokenize=False, n=4),
          "greedy, text": dict(temperature=0.0)}
 TOKENIZER = "SmolLM2-135M-Instruct"  # the text mode's (a vocabulary of 49152: any tiny model's ids decode)
 
@@ -50,6 +51,11 @@ def sampling_params(mode: str, index: int, output_tokens: int) -> SamplingParams
     seed = {"seed": index} if MODES[mode]["temperature"] > 0 else {}
     return SamplingParams(**MODES[mode], **seed, max_tokens=output_tokens, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def samples_per_prompt(mode: str) -> int:
+    """The sequences each request of ``mode`` runs (``n``)."""
+    return MODES[mode].get("n", 1)
 
 
 def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -81,6 +87,7 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"host-{next(_ids)}", prompt, sampling_params(mode, i, output_tokens))
     decode_seconds, decode_tokens, all_seconds, decode_cpu, generated = [], [], [], [], {}
+    samples = samples_per_prompt(mode)
     with gc_freeze.older_objects_frozen():  # as the engine's own loops run (LLM.generate, the server)
         while engine.has_unfinished_requests():
             every_one_decodes = all_decode(engine.state, len(prompts))
@@ -96,14 +103,14 @@ def run_pass(llm: LLM, prompts: list[list[int]], mode: str, output_tokens: int, 
             for output in outputs:
                 if output.error:
                     raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-                generated[output.request_id] = len(output.outputs[0].token_ids)
+                generated[output.request_id] = {len(completion.token_ids) for completion in output.outputs}
             all_seconds.append(seconds)
             if every_one_decodes:
                 decode_seconds.append(seconds)
                 decode_cpu.append(cpu)
-                decode_tokens.append((engine.counters.generation_tokens - before) / len(prompts))
-    if len(generated) != len(prompts) or any(n != output_tokens for n in generated.values()):
-        raise RuntimeError(f"requests generated {sorted(set(generated.values()))} tokens, not {output_tokens}")
+                decode_tokens.append((engine.counters.generation_tokens - before) / len(prompts) / samples)
+    if len(generated) != len(prompts) or any(n != {output_tokens} for n in generated.values()):
+        raise RuntimeError(f"requests generated {sorted(set().union(*generated.values()))} tokens, not {output_tokens}")
     return Pass(decode_seconds, decode_tokens, all_seconds, decode_cpu)
 
 

@@ -216,6 +216,14 @@ def append_needs(state: BlockManagerState, seqs: tuple[Sequence, ...]) -> int:
     return need
 
 
+def writes_privately(state: BlockManagerState, seq: Sequence) -> bool:
+    """Whether the slot of `seq`'s last token (position seq.len - 1) is in a block only `seq`
+    holds, or past its table (a block to open): no copy-on-write before it is written."""
+    entry = state.seqs[seq.seq_id]
+    index = (seq.len - 1) // state.config.block_size
+    return index >= len(entry.block_table) or state.device.refcounts[entry.block_table[index]] == 1
+
+
 def can_append_slots(state: BlockManagerState, group: SequenceGroup) -> bool:
     """Whether every unfinished sequence of `group` can get a writable slot for its last token."""
     return append_needs(state, group.unfinished_seqs) <= num_free_device_blocks(state)

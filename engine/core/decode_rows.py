@@ -1,27 +1,35 @@
-"""Running decodes of one sequence each, held as columns: the scheduler's steady state.
+"""Running decodes held as columns, a row per sequence: the scheduler's steady state.
 
-Most steps, most running groups are one sequence decoding one token. Held as records, every
-step would remake a `Sequence` and a `SequenceGroup` per sequence (its tokens one longer, its
-computed count one more) and walk them all again to find the few that open a block or stop.
-`DecodeRows` holds those groups as rows instead: each group as it entered the rows (its tokens
+Most steps, most running sequences decode one token. Held as records, every step would remake
+a `Sequence` and a `SequenceGroup` per sequence (its tokens one longer, its computed count one
+more) and walk them all again to find the few that open a block or stop. `DecodeRows` holds
+those groups as rows instead, one per sequence: each group as it entered the rows (its tokens
 then), the tokens appended since, and the counts a step reads and writes as NumPy columns.
 A step changes the columns and appends a token to each row's list; records are made again only
 for rows an event touches (a block to open or one filled, a stop) and for the rare paths that
 want them all (preemption, abort, stats, tests).
+
+A group of several sequences (parallel sampling: ``n`` or ``best_of``) is as many adjacent
+rows, its sequences in their order (`members`: each row's index in its group's sequences).
+A group is in the rows whole or not at all: once one of its sequences stops, the group leaves
+the rows (`leave`) and runs on as a record.
 
 The tokens a row gained since it entered sit in a list that later states share: a state reads
 the first ``num_new[i]`` of row i's list, and a step appends after them. A step from a state
 whose lists another step has appended to already (two updates of one state) copies those lists
 first, so every state keeps its own tokens.
 
-A group is a row (`qualifies`) when it runs one sequence that decodes: not in prefill, not a
-beam search (its updates fork). The rows are in arrival order, as the running groups are.
+A group is held as rows (`qualifies`) when every one of its sequences runs and decodes: not in
+prefill, not a beam search (its updates fork), and (`engine.core.scheduler_update` checks it
+on the blocks) no sequence writing into a block another holds: the copy-on-write of a prompt's
+last block happens on the records' path, before the group enters. The rows are in arrival
+order, as the running groups are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -39,10 +47,11 @@ def _column(values) -> np.ndarray:
 
 @record(eq=False)
 class DecodeRows:
-    """M running single-sequence decodes, in arrival order (all columns int64 [M]).
+    """M running decodes, a row per sequence, in arrival order (all columns int64 [M]).
 
-    `groups[i]` is row i's group as it entered the rows; `new_tokens[i][: num_new[i]]` the
-    tokens its sequence gained since. `lengths` counts each sequence's tokens now (prompt and
+    `groups[i]` is row i's group as it entered the rows, `members[i]` the index of row i's
+    sequence in it (a group's rows are adjacent, in its order); `new_tokens[i][: num_new[i]]`
+    the tokens that sequence gained since. `lengths` counts each sequence's tokens now (prompt and
     output: the next decode computes position ``lengths - 1``, every token before it computed),
     `num_output` its generated tokens, `last_tokens` its last token. `tables`, when known,
     are the rows' block tables as the last step planned them (which its update leaves as they
@@ -53,6 +62,7 @@ class DecodeRows:
     groups: tuple[SequenceGroup, ...]
     request_ids: tuple[str, ...]
     seq_ids: np.ndarray
+    members: np.ndarray
     arrivals: np.ndarray
     lengths: np.ndarray
     num_output: np.ndarray
@@ -79,27 +89,31 @@ def _appended(rows: DecodeRows) -> list[list[int]]:
     return [tokens[:n] for tokens, n in zip(rows.new_tokens, rows.num_new.tolist())]
 
 
-NO_ROWS = DecodeRows((), (), *([_column([])] * 6), (), _column([]))
+NO_ROWS = DecodeRows((), (), *([_column([])] * 7), (), _column([]))
 
 
 def qualifies(group: SequenceGroup) -> bool:
-    """Whether `group`, running, is held as a row: one sequence that decodes, and no forks."""
-    return (len(group.seqs) == 1 and not group.in_prefill and not group.may_fork
-            and group.seqs[0].status is SequenceStatus.RUNNING)
+    """Whether `group`, running, may be held as rows: every sequence decodes, and no forks
+    (and, which the caller checks on the blocks, none writes into a block another holds)."""
+    if group.in_prefill or group.may_fork:
+        return False
+    seqs = group.seqs
+    if len(seqs) == 1:  # most groups
+        return seqs[0].status is SequenceStatus.RUNNING
+    return all(seq.status is SequenceStatus.RUNNING for seq in seqs)
 
 
-def _of(groups: Seq[SequenceGroup], new_tokens: Seq[list[int]], num_new: Seq[int]) -> DecodeRows:
-    """Rows of `groups` (which qualify, in order) whose sequences gained `new_tokens[i][: num_new[i]]`
-    since they entered."""
-    seqs = [group.seqs[0] for group in groups]
-    num_output = [len(seq.output_token_ids) + n for seq, n in zip(seqs, num_new)]
-    lasts = [tokens[n - 1] if n else (seq.output_token_ids or seq.prompt_token_ids)[-1]
-             for seq, tokens, n in zip(seqs, new_tokens, num_new)]
+def _of(groups: Seq[SequenceGroup]) -> DecodeRows:
+    """Rows of `groups` (which qualify, in order), a row per sequence, as they enter."""
+    members = [(group, i, seq) for group in groups for i, seq in enumerate(group.seqs)]
     return DecodeRows(
-        tuple(groups), tuple(group.request_id for group in groups), _column([seq.seq_id for seq in seqs]),
-        _column([group.arrival for group in groups]),
-        _column([len(seq.prompt_token_ids) + n for seq, n in zip(seqs, num_output)]), _column(num_output),
-        _column([group.max_tokens for group in groups]), _column(lasts), tuple(new_tokens), _column(num_new))
+        tuple(group for group, _, _ in members), tuple(group.request_id for group, _, _ in members),
+        _column([seq.seq_id for _, _, seq in members]), _column([i for _, i, _ in members]),
+        _column([group.arrival for group, _, _ in members]), _column([seq.len for _, _, seq in members]),
+        _column([len(seq.output_token_ids) for _, _, seq in members]),
+        _column([group.max_tokens for group, _, _ in members]),
+        _column([(seq.output_token_ids or seq.prompt_token_ids)[-1] for _, _, seq in members]),
+        tuple([] for _ in members), _column([0] * len(members)))
 
 
 def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
@@ -107,9 +121,9 @@ def enter(rows: DecodeRows, groups: Seq[SequenceGroup]) -> DecodeRows:
     if not groups:
         return rows
     for group in groups:
-        seq = group.seqs[0]
-        assert seq.num_computed_tokens == seq.len - 1, "a decoding sequence computes one token"
-    added = _of(groups, [[] for _ in groups], [0] * len(groups))
+        for seq in group.seqs:
+            assert seq.num_computed_tokens == seq.len - 1, "a decoding sequence computes one token"
+    added = _of(groups)
     if not len(rows):
         return added
     order = None  # most often the groups arrived after every row: end to end is in order
@@ -129,7 +143,7 @@ def _joined(first, second, order: np.ndarray | None):
 
 
 def without(rows: DecodeRows, dropped: Iterable[int]) -> DecodeRows:
-    """The rows but those at the indices `dropped`."""
+    """The rows but those at the indices `dropped` (every row of each group they touch)."""
     keep = np.ones(len(rows), bool)
     keep[list(dropped)] = False
     if keep.all():
@@ -137,8 +151,8 @@ def without(rows: DecodeRows, dropped: Iterable[int]) -> DecodeRows:
     index = np.flatnonzero(keep).tolist()
     return DecodeRows(
         tuple(rows.groups[i] for i in index), tuple(rows.request_ids[i] for i in index),
-        *(_column(column[keep]) for column in (rows.seq_ids, rows.arrivals, rows.lengths, rows.num_output,
-                                               rows.max_tokens, rows.last_tokens)),
+        *(_column(column[keep]) for column in (rows.seq_ids, rows.members, rows.arrivals, rows.lengths,
+                                               rows.num_output, rows.max_tokens, rows.last_tokens)),
         tuple(rows.new_tokens[i] for i in index), _column(rows.num_new[keep]),
         None if rows.tables is None else tuple(rows.tables[i] for i in index))
 
@@ -191,30 +205,62 @@ def _moved_on(rows: DecodeRows, counts, lasts, lists: tuple[list[int], ...], tab
     """The rows after row i gained `counts[i]` tokens (ending in `lasts[i]`), held in `lists`,
     with block tables `tables`."""
     return DecodeRows(
-        rows.groups, rows.request_ids, rows.seq_ids, rows.arrivals, _column(rows.lengths + counts),
+        rows.groups, rows.request_ids, rows.seq_ids, rows.members, rows.arrivals, _column(rows.lengths + counts),
         _column(rows.num_output + counts), rows.max_tokens, _column(lasts), lists, _column(rows.num_new + counts),
         tables)
 
 
-def sequence_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,
-                num_computed: int | None = None) -> Sequence:
-    """Row i's sequence as a record: with `status`, and every token but the last computed
-    unless `num_computed` says otherwise."""
-    seq, n = rows.groups[i].seqs[0], int(rows.num_new[i])
+def sequence_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING) -> Sequence:
+    """Row i's sequence as a record: with `status`, and every token but the last computed."""
+    seq, n = rows.groups[i].seqs[rows.members[i]], int(rows.num_new[i])
     output = seq.output_token_ids + tuple(rows.new_tokens[i][:n]) if n else seq.output_token_ids
-    computed = int(rows.lengths[i]) - 1 if num_computed is None else num_computed
-    return Sequence(seq.seq_id, seq.prompt_token_ids, output, status, computed)
+    return Sequence(seq.seq_id, seq.prompt_token_ids, output, status, int(rows.lengths[i]) - 1)
 
 
-def group_at(rows: DecodeRows, i: int, status: SequenceStatus = SequenceStatus.RUNNING,
-             num_computed: int | None = None) -> SequenceGroup:
-    """Row i's group as a record (see `sequence_at`)."""
-    return rows.groups[i].with_seqs((sequence_at(rows, i, status, num_computed),), in_prefill=False)
+def group_span(rows: DecodeRows, i: int) -> range:
+    """The rows of row i's group (adjacent, in its sequences' order)."""
+    first = i - int(rows.members[i])
+    return range(first, first + len(rows.groups[i].seqs))
+
+
+def group_at(rows: DecodeRows, i: int, ended: Mapping[int, SequenceStatus] | None = None) -> SequenceGroup:
+    """Row i's group as a record: each of its rows' sequences (`sequence_at`) running, or with
+    the status `ended` gives its row."""
+    span, ended = group_span(rows, i), ended or {}
+    seqs = tuple(sequence_at(rows, row, ended.get(row, SequenceStatus.RUNNING)) for row in span)
+    return rows.groups[i].with_seqs(seqs, in_prefill=False)
 
 
 def all_groups(rows: DecodeRows) -> tuple[SequenceGroup, ...]:
     """Every row's group as a record, in order."""
-    return tuple(group_at(rows, i) for i in range(len(rows)))
+    return tuple(group_at(rows, i) for i in first_rows(rows))
+
+
+def first_rows(rows: DecodeRows) -> list[int]:
+    """The first row of each group, in order."""
+    members = rows.members
+    if not members.any():  # most often: every group one sequence
+        return list(range(len(members)))
+    return np.flatnonzero(members == 0).tolist()
+
+
+def num_groups(rows: DecodeRows) -> int:
+    """The groups held as rows."""
+    return len(rows) - int(np.count_nonzero(rows.members))
+
+
+def leave(rows: DecodeRows, ended: Mapping[int, SequenceStatus]
+          ) -> tuple[DecodeRows, tuple[SequenceGroup, ...], tuple[SequenceGroup, ...]]:
+    """The groups of the rows `ended` (row -> the status its sequence stopped with) out of
+    the rows: (the rows left, the groups with every sequence ended, the others, which run on
+    as records), both in arrival order."""
+    if not ended:
+        return rows, (), ()
+    firsts = sorted({row - int(rows.members[row]) for row in ended})
+    groups = [group_at(rows, first, ended) for first in firsts]
+    dropped = [row for first in firsts for row in group_span(rows, first)]
+    return (without(rows, dropped), tuple(group for group in groups if group.is_finished),
+            tuple(group for group in groups if not group.is_finished))
 
 
 def merged(rows: DecodeRows, groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:

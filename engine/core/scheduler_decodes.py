@@ -105,8 +105,9 @@ def plan_rows(rows: DecodeRows, blocks: BlockManagerState, groups: Sequence[Sequ
                 return None
             at.pop(0)
         # Within a block, the slot is in the row's last block, which no other sequence holds
-        # (only full blocks are shared, by the prefix cache; rows do not fork). Other rows'
-        # and groups' slots change no row's entry, so `entries` holds this one's still.
+        # (only full blocks are shared, by the prefix cache; rows do not fork, and a group's
+        # sequences enter the rows once none shares the block it writes). Other rows' and
+        # groups' slots change no row's entry, so `entries` holds this one's still.
         table = entries[seq_id].block_table
         if start % size == 0 and decodes.slot_needs_block(table, start):
             work = decodes.single_work(request_id, decode_rows.sequence_at(rows, i))

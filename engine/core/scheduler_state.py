@@ -239,15 +239,15 @@ Action = Append | AppendEach | AppendMany | Fork | Finish | Drop
 class SchedulerState:
     """Queues ordered by arrival, the block manager, and counters.
 
-    The running groups are `rows` (those of one decoding sequence, as columns:
-    `engine.core.decode_rows`) and `running_groups` (the others: prefilling, several
-    sequences, beam search), each in arrival order; `running` gives them all as records.
-    `finished` holds the groups that left during the last schedule() (ignored) and the
-    update() / abort() calls since. `pending` is the output of schedule() not yet recorded by
-    update(); `pending_rows` the rows whose decodes it plans first, one work each in order,
-    when schedule() planned them from the columns. `live_ids` holds the request ids of the
-    waiting, running and swapped groups (a persistent set: an arrival checks its id without a
-    scan of every live group).
+    The running groups are `rows` (those whose sequences all decode, as columns, a row per
+    sequence: `engine.core.decode_rows`) and `running_groups` (the others: prefilling, beam
+    search, a sequence stopped or writing into a shared block), each in arrival order;
+    `running` gives them all as records. `finished` holds the groups that left during the
+    last schedule() (ignored) and the update() / abort() calls since. `pending` is the output
+    of schedule() not yet recorded by update(); `pending_rows` the rows whose decodes it plans
+    first, one work each in order, when schedule() planned them from the columns. `live_ids`
+    holds the request ids of the waiting, running and swapped groups (a persistent set: an
+    arrival checks its id without a scan of every live group).
     """
 
     config: SchedulerConfig
@@ -274,12 +274,15 @@ class SchedulerState:
     @property
     def running_request_ids(self) -> tuple[str, ...]:
         """The request ids of the running groups, rows first (no record made)."""
-        return self.rows.request_ids + tuple(group.request_id for group in self.running_groups)
+        rows, ids = self.rows, self.rows.request_ids
+        if len(ids) != decode_rows.num_groups(rows):  # a group of several sequences: its first row's
+            ids = tuple(ids[i] for i in decode_rows.first_rows(rows))
+        return ids + tuple(group.request_id for group in self.running_groups)
 
     @property
     def num_running(self) -> int:
         """Running groups, rows included."""
-        return len(self.rows) + len(self.running_groups)
+        return decode_rows.num_groups(self.rows) + len(self.running_groups)
 
     def without_rows(self) -> "SchedulerState":
         """This state with every running group a record (none held as a row)."""

@@ -3,8 +3,9 @@
 The general path (`engine.core.scheduler_update_general`) applies any step's actions by kind;
 the common steps take shorter paths that give the same states: a step of the rows' decodes
 (`engine.core.decode_rows`), with the record groups' work if any, recorded from the columns;
-and a step of records that each sample one sequence. After the general path, the groups that
-decode one sequence join the rows.
+and a step of records that each sample one sequence. After the general path, the groups whose
+sequences all decode join the rows (a row per sequence); a group of which a sequence stops in
+a step of the rows leaves them.
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ from engine.core.scheduler_update_general import (
     update_in_general,
     update_records,
 )
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["update", "update_in_general"]
 
@@ -40,7 +41,7 @@ __all__ = ["update", "update_in_general"]
 def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
     """Record the step planned by the last schedule(): its tokens are computed, then `actions`
     (the sampler's decisions) apply. Actions on sequences aborted since schedule() are skipped.
-    The running groups that decode one sequence are then held as rows (`engine.core.decode_rows`)."""
+    The running groups whose sequences all decode are then held as rows (`engine.core.decode_rows`)."""
     if state.pending is None:
         raise SchedulerUsageError("update() records the step planned by schedule(); call it first")
     actions = list(actions)
@@ -54,10 +55,14 @@ def update(state: SchedulerState, actions: Iterable[Action]) -> SchedulerState:
 
 
 def _settle(state: SchedulerState) -> SchedulerState:
-    """`state` with its running groups that qualify (`decode_rows.qualifies`) held as rows."""
-    entering, staying = [], []
+    """`state` with its running groups that qualify (`decode_rows.qualifies`) held as rows:
+    of a group of several sequences, once none writes into a block another holds (the
+    prompt's last block, shared until each has copied it)."""
+    entering, staying, blocks = [], [], state.blocks
     for group in state.running_groups:
-        (entering if decode_rows.qualifies(group) else staying).append(group)
+        enters = decode_rows.qualifies(group) and (
+            len(group.seqs) == 1 or all(block_manager.writes_privately(blocks, seq) for seq in group.seqs))
+        (entering if enters else staying).append(group)
     if not entering:
         return state
     return dataclasses.replace(state, running_groups=tuple(staying), rows=decode_rows.enter(state.rows, entering))
@@ -109,12 +114,19 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
             if (filled and records_fill) or ((ended or at_length.any()) and records_end):
                 return None
             after = dataclasses.replace(after, blocks=end_at_length(end_stopped(after.blocks)))
-    finished = tuple(decode_rows.group_at(rows, row, ended[row]) for row in sorted(ended))
-    rows = decode_rows.without(rows, ended)
+    rows, finished, running_on = decode_rows.leave(rows, ended)
     after = dataclasses.replace(
-        after, rows=rows, pending_rows=None, finished=state.finished + finished + after.finished[len(state.finished):],
+        after, rows=rows, running_groups=_by_arrival(after.running_groups, running_on), pending_rows=None,
+        finished=state.finished + finished + after.finished[len(state.finished):],
         live_ids=without_ids(after.live_ids, finished))
     return _settle(after) if groups else after
+
+
+def _by_arrival(groups: tuple[SequenceGroup, ...], more: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
+    """`groups` and `more` (each in arrival order) in arrival order."""
+    if not more:
+        return groups
+    return tuple(sorted(groups + more, key=lambda group: group.arrival))
 
 
 def _may_fill(blocks: BlockManagerState, works, size: int) -> bool:

@@ -23,14 +23,14 @@ def table_rows(text: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_quick_run_writes_a_row_per_mode_and_count_and_the_plot(results):
-    text = host_overhead.main(["--quick", "--num-seqs", "2,4", "--output-tokens", "6", "--rounds", "1",
+    text = host_overhead.main(["--quick", "--num-seqs", "4,8", "--output-tokens", "6", "--rounds", "1",
                                "--num-scheduler-steps", "1,4"])
     assert sorted(path.name for path in results.iterdir()) == ["host_overhead_quick.md", "host_overhead_quick.png"]
     assert (results / "host_overhead_quick.md").read_text() == text + "\n"
     assert "Command: `PYTHONPATH=. python -m benchmarks.host_overhead --quick" in text and "Machine: " in text
     rows = table_rows(text)
-    modes = ("greedy", "greedy, text", "sampled")
-    assert [tuple(row[:3]) for row in rows] == [(mode, k, n) for mode in modes for k in ("1", "4") for n in ("2", "4")]
+    modes = ("greedy", "greedy, text", "sampled", "sampled, n=4")
+    assert [tuple(row[:3]) for row in rows] == [(mode, k, n) for mode in modes for k in ("1", "4") for n in ("4", "8")]
     for row in rows:
         # 6 tokens: the first from the prefill step, then 5 steps in which every sequence decodes
         # (k=4: a loop of 4 and a step of 1, the sequences' last token).
@@ -52,6 +52,17 @@ def test_a_pass_times_only_the_steps_in_which_every_sequence_decodes(tmp_path):
     assert len(run.all_seconds) == 5 and len(run.decode_seconds) == 4 and run.decode_tokens == [1.0] * 4
     assert len(run.decode_cpu) == 4 and all(0 < cpu <= seconds + 1e-3 for cpu, seconds in zip(run.decode_cpu,
                                                                                              run.decode_seconds))
+
+
+def test_a_pass_of_parallel_samples_counts_each_sequences_tokens(tmp_path):
+    from tests.models.tiny_models import write_checkpoint
+
+    write_checkpoint(tiny_workload.MODEL, tmp_path)
+    llm = tiny_workload.LLM(str(tmp_path), **tiny_workload.engine_settings(8, 5))
+    run = tiny_workload.run_pass(llm, tiny_workload.random_prompts(2, 256, seed=0), "sampled, n=4", 5)
+    # Two requests of 4 samples: the prefill step samples each sequence's first token, then
+    # 4 steps in which all 8 decode, one token each.
+    assert len(run.all_seconds) == 5 and run.decode_tokens == [1.0] * 4
 
 
 def test_ratio_is_given_only_when_both_counts_were_measured():

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from engine import LLM, SamplingParams, async_scheduling, multi_step, plain_rows
+from engine.core import decode_rows, scheduler
 from engine.core.scheduled_rows import PlannedWorks
 from engine.sampling_params import RequestOutputKind
 from tests.engine.tiny import ENGINE, prompts, tiny_llm
@@ -174,3 +175,40 @@ def test_the_loop_after_is_planned_from_the_columns_as_from_records(multi, monke
     _run(multi, workload)
     assert asked["next"] > 10 and asked["computed"] > 10
     assert multi.engine.counters.lookahead_steps > before + 5
+
+
+@pytest.mark.parametrize("engine", ["llm", "multi"])
+def test_parallel_samples_held_as_rows_give_what_records_give(engine, request, monkeypatch):
+    """Requests of several sequences (``n``, ``best_of``) run as a row per sequence once each
+    has its own last block, and leave the rows when one of their sequences stops: every
+    step's outputs are those of the groups held as records, one step per dispatch or eight."""
+    llm = request.getfixturevalue(engine)
+    vocab = llm.engine.model_config.vocab_size
+    stops = list(range(3, vocab, 29))
+    params = [SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=37, stop_token_ids=stops),
+              SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=2, max_tokens=29,
+                             output_kind=RequestOutputKind.DELTA),
+              SamplingParams(n=2, best_of=3, temperature=0.9, seed=3, max_tokens=25, stop_token_ids=stops,
+                             output_kind=RequestOutputKind.FINAL_ONLY),
+              SamplingParams(temperature=0, max_tokens=31, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, seed=4, presence_penalty=0.4, max_tokens=33)]
+    batch = prompts(len(params), vocab, seed=5)
+    workload = {}
+    for i, (prompt, p) in enumerate(zip(batch, params)):
+        workload.setdefault(2 * (i % 2), []).append((f"p{engine}{i}", prompt, p))
+    held, left = [], []
+    update = scheduler.update
+
+    def spied(state, actions):
+        after = update(state, actions)
+        held.append(decode_rows.num_groups(after.rows) < len(after.rows))
+        left.append(any(group.request_id in state.rows.request_ids for group in after.running_groups))
+        return after
+
+    monkeypatch.setattr(scheduler, "update", spied)
+    as_rows = _run(llm, workload)
+    assert sum(held) > 3, "no group of several sequences was held as rows"
+    assert any(left), "no group left the rows when one of its sequences stopped"
+    qualifies = decode_rows.qualifies
+    monkeypatch.setattr(decode_rows, "qualifies", lambda group: len(group.seqs) == 1 and qualifies(group))
+    assert _run(llm, workload) == as_rows

@@ -308,6 +308,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if from_rows is not None:
             event("decode rows" + (" and records" if state.running_groups else ""))
             assert from_rows == updated
+            if decode_rows.num_groups(state.rows) < len(state.rows):
+                event("decode rows of a group of several sequences")
+            row_ids = set(state.rows.request_ids)
+            if any(group.request_id in row_ids for group in from_rows.running_groups):
+                event("a group's sequence stopped: the group left the rows")
         if scheduler_update._fits_one_token_each(state.without_rows(), actions):
             event("one token each")
         self._record(("step", admit, num_steps, aborted, tuple(actions)), updated)
