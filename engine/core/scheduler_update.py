@@ -148,7 +148,9 @@ def _row_and_record_works(seq_ids: list[int], works, has_records: bool):
     planned, record_works = scheduled_rows.rows_of(works)
     if planned is not None:  # the rows' works as columns
         return planned, planned.steps_list(), record_works
-    row_works, record_works = _split_works(seq_ids, works) if has_records else (works, ())
+    # Without record groups, works beyond the rows' are those of groups aborted since the plan.
+    row_works, record_works = (_split_works(seq_ids, works) if has_records or len(works) != len(seq_ids)
+                               else (works, ()))
     return None, [work.num_steps for work in row_works], record_works
 
 

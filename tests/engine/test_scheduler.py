@@ -308,3 +308,25 @@ def test_a_loops_tokens_for_every_row_at_once_are_checked_against_its_steps():
             scheduler.update(state, [each(tokens, counts)])
     with pytest.raises(scheduler.SchedulerUsageError, match=r"counts \[2\] of at most k"):
         each([[7, 8, 9], [4, 5, 6]], [4, 2])
+
+
+def test_a_loop_of_rows_and_an_aborted_record_group_records_the_rows_tokens():
+    """A multi-step decode of rows and of a group still held as a record (its two samples
+    share the prompt's last block until this step copies it), the group aborted before the
+    update: the rows' tokens are recorded, and the state is the general path's."""
+    config = make_config(block_size=4)
+    state = scheduler.initial_state(config)
+    for name in ("a", "b"):
+        state = scheduler.add_request(state, name, (1, 2, 3), max_tokens=20)
+    state = scheduler.add_request(state, "pair", (1, 2, 4), max_tokens=20, num_seqs=2)
+    state, out = scheduler.schedule(state)
+    state = scheduler.update(state, append_ones(out))
+    assert [len(state.rows), len(state.running_groups)] == [2, 1], "the pair shares a block: a record"
+    state, out = scheduler.schedule(state, num_steps=3)
+    assert out.num_steps == 3 and len(out.scheduled) == 4
+    state = scheduler.abort(state, "pair")
+    seq_ids = np.array([work.seq_ids[0] for work in out.scheduled[:2]], np.int64)
+    each = scheduler.AppendEach(seq_ids, np.array([[7, 8, 9], [4, 5, 6]], np.int64), np.array([3, 2], np.int64))
+    updated = scheduler.update(state, [each])
+    assert updated.without_rows() == scheduler_update.update_in_general(state, [each])
+    assert [scheduler.find_group(updated, name).seqs[0].output_token_ids for name in "ab"] == [(1, 7, 8, 9), (1, 4, 5)]
