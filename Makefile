@@ -86,8 +86,8 @@ test-fast: install
 ACCEL_VENV := .venv-accel
 test-accel:
 	test -x $(ACCEL_VENV)/bin/python || $(PYTHON) -m venv $(ACCEL_VENV)
-	$(ACCEL_VENV)/bin/python -m pip install --quiet -e ".[cuda,tpu]" pytest flatbuffers
-	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(ACCEL_VENV)/bin/python -m pytest -q -m accel -p no:cacheprovider tests/pallas_paged/test_accel.py
+	$(ACCEL_VENV)/bin/python -m pip install --quiet -e ".[cuda,tpu,test]"
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(ACCEL_VENV)/bin/python -m pytest -q -m accel -p no:cacheprovider tests/pallas_paged/test_accel.py tests/engine/test_accel_engine.py
 
 # On a machine with a GPU, in an environment whose JAX has CUDA (see docs/gpu.md):
 # the kernels compiled by Triton against the oracle, cache and swap ops, the engine against

@@ -147,14 +147,16 @@ def gpu_kernel(q, k_cache) -> str:
     return "mosaic" if choice == "mosaic" and fits else "triton"
 
 
-def cudnn_prompts(q) -> bool:
+def cudnn_prompts(q, k_cache) -> bool:
     """Whether a CUDA GPU runs steps of whole fresh prompts through cuDNN's flash attention
-    (:mod:`prompts`). q: [tokens, q_heads, d] (its dtype and head size are all it reads).
+    (:mod:`prompts`). q: [tokens, q_heads, d]; k_cache: [kv_heads, blocks, block_size, d]
+    (their dtypes and q's head size are all it reads).
     ``PALLAS_PAGED_CUDNN_PROMPTS`` (1 or 0) if set, else where :data:`tiling.HOPPER`'s
     ``cudnn_prompts`` is on and the GPU is a Hopper or later (cuDNN's packed layout needs one;
     ``=1`` on an older GPU fails to compile); and only for the queries it takes
     (:func:`prompts.supports`)."""
-    return prompts.enabled(tiling.HOPPER.cudnn_prompts and hopper_or_later()) and prompts.supports(q.dtype, q.shape[-1])
+    return (prompts.enabled(tiling.HOPPER.cudnn_prompts and hopper_or_later())
+            and prompts.supports(q.dtype, k_cache.dtype, q.shape[-1]))
 
 
 def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
@@ -166,22 +168,24 @@ def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
 
 
 def hopper_paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, interpret=False):
-    """:func:`hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits."""
+    """:func:`hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits; a
+    float32 q in the cache's dtype (:func:`hopper.supports`), the output back in q's."""
     knobs = tiling.HOPPER
     steps = -(-block_tables.shape[1] * k_cache.shape[2] // knobs.keys_per_step)
     splits = knobs.decode_splits(q.shape[0] * k_cache.shape[0], steps)
-    return hopper.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+    return hopper.paged_attention(q.astype(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale=scale,
                                   keys_per_step=knobs.keys_per_step, stages=knobs.stages, splits=splits,
-                                  interpret=interpret)
+                                  interpret=interpret).astype(q.dtype)
 
 
 def hopper_ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale,
                                   interpret=False):
-    """:func:`hopper.ragged_paged_attention` with :data:`tiling.HOPPER`'s knobs."""
+    """:func:`hopper.ragged_paged_attention` with :data:`tiling.HOPPER`'s knobs; q as
+    :func:`hopper_paged_attention` takes it."""
     knobs = tiling.HOPPER
-    return hopper.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                         scale=scale, keys_per_step=knobs.keys_per_step, stages=knobs.stages,
-                                         interpret=interpret)
+    return hopper.ragged_paged_attention(q.astype(k_cache.dtype), k_cache, v_cache, block_tables, context_lens,
+                                         query_start_loc, scale=scale, keys_per_step=knobs.keys_per_step,
+                                         stages=knobs.stages, interpret=interpret).astype(q.dtype)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
@@ -225,7 +229,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     common = functools.partial(ragged.ragged_paged_attention, scale=scale)
     cuda = _cuda_kernel(q, k_cache, scale, triton=ragged.ragged_paged_attention, mosaic=hopper_ragged_paged_attention)
-    if cudnn_prompts(q) and new_kv is not None:  # the setting checked on every ragged call
+    if cudnn_prompts(q, k_cache) and new_kv is not None:  # the setting checked on every ragged call
         cuda = prompts.or_paged(cuda, new_kv, scale)
     return jax.lax.platform_dependent(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,

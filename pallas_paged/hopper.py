@@ -37,11 +37,12 @@ _LOG2E = math.log2(math.e)
 
 def supports(q_dtype, cache_dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
              keys_per_step: int) -> bool:
-    """Whether the kernels take these shapes: 16-bit q and cache of one dtype, head size 64 or
-    128 (whole 128-byte swizzled rows; 256 would not fit a split decode's shared memory), blocks
-    of at least 8 keys that tile a step of at most 256 keys (a wgmma's widest), and a GQA
-    group of at most :data:`ROWS` query heads."""
-    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(q_dtype) == jnp.dtype(cache_dtype)
+    """Whether the kernels take these shapes: a 16-bit cache and q of its dtype, or float32 (the
+    engine's queries, which the public wrappers cast to the cache's dtype, as the Triton kernels
+    cast them for their products), head size 64 or 128 (whole 128-byte swizzled rows; 256 would
+    not fit a split decode's shared memory), blocks of at least 8 keys that tile a step of at
+    most 256 keys (a wgmma's widest), and a GQA group of at most :data:`ROWS` query heads."""
+    return (jnp.dtype(cache_dtype) in DTYPES and jnp.dtype(q_dtype) in (jnp.dtype(cache_dtype), jnp.dtype(jnp.float32))
             and head_dim in (64, 128) and block_size % 8 == 0 and keys_per_step % block_size == 0
             and keys_per_step in (64, 128, 192, 256) and q_heads // kv_heads <= ROWS)
 

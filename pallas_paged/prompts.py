@@ -36,10 +36,12 @@ def enabled(default: bool) -> bool:
     return default if value is None else value == "1"
 
 
-def supports(q_dtype, head_dim: int) -> bool:
-    """Whether cuDNN's flash attention takes these queries: 16-bit, head size a multiple of 8
-    up to 256 (Hopper's limits)."""
-    return jnp.dtype(q_dtype) in DTYPES and head_dim % 8 == 0 and head_dim <= 256
+def supports(q_dtype, cache_dtype, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes these queries: a 16-bit cache, and q of its dtype
+    or float32 (the engine's; :func:`or_paged` casts q, k and v to the cache's dtype, as the
+    paged kernels read them), head size a multiple of 8 up to 256 (Hopper's limits)."""
+    return (jnp.dtype(cache_dtype) in DTYPES and jnp.dtype(q_dtype) in (jnp.dtype(cache_dtype), jnp.dtype(jnp.float32))
+            and head_dim % 8 == 0 and head_dim <= 256)
 
 
 def all_fresh(context_lens, query_start_loc):
@@ -91,11 +93,16 @@ def cudnn_attention(q, k, v, query_start_loc, *, scale):
 def or_paged(paged, new_kv, scale: float):
     """The CUDA branch of ragged attention with fresh prompts through cuDNN: ``paged`` (a
     function of the op's arrays) unless every sequence is fresh (:func:`all_fresh`);
-    ``new_kv``: (k, v), this step's keys and values, [T, kv_heads, d] each."""
+    ``new_kv``: (k, v), this step's keys and values, [T, kv_heads, d] each. cuDNN gets q, k and
+    v in the cache's dtype (the values the cache holds, and the paged kernels' operands); the
+    output is in q's."""
 
     def attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc):
-        return jax.lax.cond(all_fresh(context_lens, query_start_loc),
-                            lambda: cudnn_attention(q, *new_kv, query_start_loc, scale=scale).astype(q.dtype),
+        def fresh():
+            q16, k16, v16 = (x.astype(k_cache.dtype) for x in (q, *new_kv))
+            return cudnn_attention(q16, k16, v16, query_start_loc, scale=scale).astype(q.dtype)
+
+        return jax.lax.cond(all_fresh(context_lens, query_start_loc), fresh,
                             lambda: paged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc))
 
     return attend

@@ -46,11 +46,15 @@ def test_more_splits_than_a_sequence_has_steps():
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
 
 
-def test_public_op_with_the_hopper_tiling_matches_oracle():
-    """The knobs and splits `pallas_paged` gives the kernel on a GPU (tiling.HOPPER)."""
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16-q", "f32-q"])
+def test_public_op_with_the_hopper_tiling_matches_oracle(q_dtype):
+    """The knobs and splits `pallas_paged` gives the kernel on a GPU (tiling.HOPPER); the
+    engine's float32 queries over a bfloat16 cache come back in float32."""
     s = make(decode_seqs([90, 33]), q_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
-    actual = pallas_paged.hopper_paged_attention(*s.decode_args, scale=0.125, interpret=True)
-    assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
+    args = (s.q.astype(q_dtype), *s.decode_args[1:])
+    actual = pallas_paged.hopper_paged_attention(*args, scale=0.125, interpret=True)
+    assert actual.dtype == q_dtype
+    assert_close(actual, reference.paged_attention(*args), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((9, 3), 16), ((4, 4), 32)],
@@ -65,10 +69,15 @@ def test_hopper_ragged_matches_oracle_in_interpret_mode(heads, block_size):
     actual = pallas_paged.hopper_ragged_paged_attention(*s.ragged_args, scale=0.125, interpret=True)
     assert_close(actual, reference.ragged_paged_attention(*s.ragged_args, scale=0.125), jnp.bfloat16)
     assert not actual[-5:].astype(jnp.float32).any(), "padding rows must come out as zeros"
+    if heads == (8, 2):  # the engine's float32 queries
+        args = (s.q.astype(jnp.float32), *s.ragged_args[1:])
+        actual = pallas_paged.hopper_ragged_paged_attention(*args, scale=0.125, interpret=True)
+        assert actual.dtype == jnp.float32
+        assert_close(actual, reference.ragged_paged_attention(*args, scale=0.125), jnp.bfloat16)
 
 
-def _kernel_for(dtype=jnp.bfloat16, heads=(32, 8), head_dim=128, block_size=16):
-    q = jax.ShapeDtypeStruct((4, heads[0], head_dim), dtype)
+def _kernel_for(dtype=jnp.bfloat16, heads=(32, 8), head_dim=128, block_size=16, q_dtype=None):
+    q = jax.ShapeDtypeStruct((4, heads[0], head_dim), q_dtype or dtype)
     cache = jax.ShapeDtypeStruct((heads[1], 64, block_size, head_dim), dtype)
     return pallas_paged.gpu_kernel(q, cache)
 
@@ -90,8 +99,9 @@ def test_the_environment_chooses_and_shapes_mosaic_cannot_take_stay_on_triton(mo
     assert _kernel_for() == "triton"
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
     assert _kernel_for() == "mosaic"
-    assert [_kernel_for(dtype=jnp.float32), _kernel_for(head_dim=32), _kernel_for(head_dim=256),
-            _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 4
+    assert _kernel_for(q_dtype=jnp.float32) == "mosaic"  # the engine's queries over a bfloat16 cache
+    assert [_kernel_for(dtype=jnp.float32), _kernel_for(q_dtype=jnp.float16), _kernel_for(head_dim=32),
+            _kernel_for(head_dim=256), _kernel_for(heads=(8, 8), block_size=48)] == ["triton"] * 5
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "hopper")
     with pytest.raises(ValueError, match="PALLAS_PAGED_GPU_ATTENTION must be auto, mosaic or triton"):
         _kernel_for()

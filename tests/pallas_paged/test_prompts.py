@@ -32,18 +32,22 @@ def test_packed_segments_put_sequences_with_tokens_first_and_mark_the_rest():
 
 @pytest.mark.parametrize("seqs,fresh", [([(20, 20), (7, 7), (0, 0)], True), ([(20, 20), (30, 7)], False)],
                          ids=["whole-prompts", "a-cached-prefix"])
-def test_each_step_takes_cudnn_only_when_all_its_prompts_are_fresh(monkeypatch, seqs, fresh):
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16-q", "f32-q"])
+def test_each_step_takes_cudnn_only_when_all_its_prompts_are_fresh(monkeypatch, seqs, fresh, q_dtype):
     """`or_paged` on the device: cuDNN (here a stand-in that answers the dense oracle over the
     step's own K and V, as cuDNN would) for a step of whole prompts, the paged kernel
     otherwise. Each path is given inputs only it can use: for the fresh step the cache holds
-    NaN, for the other the step's K and V are zeros."""
+    NaN, for the other the step's K and V are zeros. The engine's float32 queries and K and V
+    reach cuDNN in the cache's bfloat16; the output comes back in q's dtype."""
     s = make(seqs, q_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16, padding_tokens=3)
     expected = reference.ragged_paged_attention(*s.ragged_args)
     q, k_cache, v_cache, *rest = s.ragged_args
+    q = q.astype(q_dtype)
     taken = []
 
     def stand_in(q, k, v, query_start_loc, *, scale):
         taken.append("cudnn")
+        assert {q.dtype, k.dtype, v.dtype} == {jnp.dtype(jnp.bfloat16)}, "cuDNN takes the cache's dtype"
         return dense_prompts_attention(q, k, v, query_start_loc, scale=scale)
 
     def paged(*arrays):
@@ -55,8 +59,10 @@ def test_each_step_takes_cudnn_only_when_all_its_prompts_are_fresh(monkeypatch, 
         k_cache, v_cache, new_kv = jnp.full_like(k_cache, jnp.nan), jnp.full_like(v_cache, jnp.nan), s.new_kv()
     else:
         new_kv = tuple(jnp.zeros_like(x) for x in s.new_kv())
+    new_kv = tuple(x.astype(q_dtype) for x in new_kv)  # as the model computes them, before the cache rounds them
     got = prompts.or_paged(paged, new_kv, scale=64**-0.5)(q, k_cache, v_cache, *rest)
     assert sorted(taken) == ["cudnn", "paged"]  # lax.cond traces both
+    assert got.dtype == q_dtype
     assert_close(got, expected, jnp.bfloat16)
 
 
@@ -77,27 +83,32 @@ def dense_prompts_attention(q, k, v, query_start_loc, *, scale):
 
 @pytest.mark.parametrize("env,capability,default,dtype,expected", [
     (None, 9.0, True, jnp.bfloat16, True),
+    (None, 9.0, True, (jnp.float32, jnp.bfloat16), True),  # the engine's float32 queries, cast to the cache's
     (None, 9.0, False, jnp.bfloat16, False),
     (None, 8.0, True, jnp.bfloat16, False),  # cuDNN's packed layout needs a Hopper
     (None, None, True, jnp.bfloat16, False),
     ("1", None, False, jnp.bfloat16, True),
     ("0", 9.0, True, jnp.bfloat16, False),
-    ("1", 9.0, True, jnp.float32, False),  # cuDNN's flash attention is 16-bit
+    ("1", 9.0, True, jnp.float32, False),  # cuDNN's flash attention is 16-bit: a float32 cache stays paged
+    ("1", 9.0, True, (jnp.float16, jnp.bfloat16), False),
 ])
 def test_when_gpus_take_cudnn_for_fresh_prompts(monkeypatch, env, capability, default, dtype, expected):
+    """``dtype``: q's and the cache's, or (q's, the cache's)."""
     if env is None:
         monkeypatch.delenv("PALLAS_PAGED_CUDNN_PROMPTS", raising=False)
     else:
         monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", env)
     monkeypatch.setattr(pallas_paged, "cuda_capability", lambda: capability)
     monkeypatch.setattr(tiling, "HOPPER", tiling.HopperTiling(**{**tiling.HOPPER.__dict__, "cudnn_prompts": default}))
-    assert pallas_paged.cudnn_prompts(jnp.zeros((4, 8, 128), dtype)) == expected
+    q_dtype, cache_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    q, cache = jnp.zeros((4, 8, 128), q_dtype), jnp.zeros((2, 4, 16, 128), cache_dtype)
+    assert pallas_paged.cudnn_prompts(q, cache) == expected
 
 
 def test_a_bad_setting_says_what_is_allowed(monkeypatch):
     monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "yes")
     with pytest.raises(ValueError, match="PALLAS_PAGED_CUDNN_PROMPTS must be 0 or 1"):
-        pallas_paged.cudnn_prompts(jnp.zeros((4, 8, 128), jnp.bfloat16))
+        pallas_paged.cudnn_prompts(jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((2, 4, 16, 128), jnp.bfloat16))
 
 
 def test_gqa_keys_get_a_head_per_query_head_where_jax_needs_it(monkeypatch):

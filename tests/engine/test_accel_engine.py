@@ -1,0 +1,113 @@
+"""The engine's own programs compiled ahead of time for an H100, without one (``make test-accel``).
+
+``tests/pallas_paged/test_accel.py`` compiles the kernels alone; this compiles every program a
+GPU engine would compile at its warm-up (each decode bucket as one program, the stages of the
+steps with prompts, the multi-step loops) and its heaviest sampler, for a model of
+Llama-3.2-1B's widths and vocabulary in bfloat16 (two of its 16 layers: the layers' programs
+are the same), through the runner's own calls and compile path. A GPU session then spends its
+minutes on timing and numbers, not on a program that XLA's GPU compiler refuses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from engine.worker import model_runner, sampler, sampling_rows, stages
+from models import llama
+from models.config import from_hf
+from tests.models.tiny_models import llama_shapes
+from tests.pallas_paged.test_accel import gpu_devices
+
+pytestmark = pytest.mark.accel
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192))
+ENGINE = dict(block_size=16, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)
+LOOP_STEPS = 8
+
+
+@pytest.fixture
+def on_h100(monkeypatch):
+    """A sharding on a compile-only H100; the runner and the stages see a GPU backend, and
+    their compiled programs are kept apart from any CPU ones. JAX's traces are dropped before
+    and after: the kernels' choice is read from the environment when a stage is traced."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(stages, "_compiled", {})
+    jax.clear_caches()
+    yield jax.sharding.SingleDeviceSharding(gpu_devices()[0])
+    jax.clear_caches()
+
+
+def _placed(tree, sharding, dtype=None):
+    """Every array (or shape) of ``tree`` as a ``jax.ShapeDtypeStruct`` on ``sharding`` (in ``dtype``, if given)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding), tree)
+
+
+def _runner(sharding) -> tuple[model_runner.ModelRunner, list]:
+    """A runner of the Llama-3.2-1B-shaped model (abstract bfloat16 weights on ``sharding``)
+    and its KV caches (4096 blocks a layer, abstract)."""
+    hf = transformers.LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
+    config, shapes = from_hf(hf.to_dict()), llama_shapes(hf)
+    params = llama.params_from_hf(config, lambda name: np.broadcast_to(np.float32(0), shapes[name]),
+                                  lambda tree: _placed(tree, sharding, jnp.bfloat16))
+    params["rope"] = _placed(params["rope"], sharding)  # float32, as the loader keeps them
+    cache = jax.ShapeDtypeStruct((config.num_kv_heads, 4096, ENGINE["block_size"], config.head_dim), jnp.bfloat16,
+                                 sharding=sharding)
+    return model_runner.ModelRunner(config, params, **ENGINE), [(cache, cache)] * config.num_layers
+
+
+# The attention kernels' names in a compiled program, by the kernels a GPU runs.
+KERNELS = {"triton": {"decode": "paged_decode_attention\"", "layer": "ragged_paged_attention\""},
+           "hopper": {"decode": "paged_decode_attention_sm90", "layer": "ragged_paged_attention_sm90"}}
+
+
+@pytest.mark.parametrize("kernels", ["triton", "hopper"])
+def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, kernels):
+    """With the default kernels (Triton), and with the Hopper ones turned on (Mosaic GPU for
+    paged attention, cuDNN for steps of whole prompts): the engine's float32 queries over its
+    bfloat16 cache reach them, in every program that attends."""
+    if kernels == "hopper":
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+        monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+        # JAX asks the first GPU for its generation before it lowers cuDNN's packed layout;
+        # a compile-only H100 has no device to ask, so answer for it.
+        monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
+        monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+    runner, kv_caches = _runner(on_h100)
+    assert runner.one_program_buckets == runner.decode_buckets, "on a GPU every decode step is one program"
+    calls = [call for shape in runner._step_shapes() for call in runner._calls(shape, kv_caches)]
+    calls += [runner._loop_call(rows, kv_caches, LOOP_STEPS) for rows in runner.decode_buckets]
+    calls = [(stage, config, mesh, _placed(args, on_h100)) for stage, config, mesh, args in calls]
+    compiled = stages.compile_all(calls)
+    assert compiled == len({stages._key(*call) for call in calls}) > 30
+    stages_compiled = {key[0] for key in stages._compiled}
+    assert stages_compiled == {"decode", "decode_steps", "embed", "layer", "head", "pick"}
+    for key, program in stages._compiled.items():
+        text = program.as_text()
+        assert "pallas_paged_" not in text, f"{key[0]}: a CPU kernel's custom call"
+        kernel = KERNELS[kernels]["layer" if key[0] == "layer" else "decode"]
+        if key[0] in ("decode", "decode_steps", "layer"):
+            assert kernel in text, f"{key[0]} runs no {kernel}"
+        if key[0] == "layer":
+            assert ("__cudnn$fmha" in text) == (kernels == "hopper"), "cuDNN for steps of whole prompts"
+
+
+def test_the_heaviest_sampler_compiles_for_h100(on_h100):
+    """The sampler with everything on (temperature, top-k, top-p, penalties, ranks, 20
+    log-probabilities) over 256 rows of a 128256-token vocabulary."""
+    rows, vocab = ENGINE["max_num_seqs"], LLAMA_1B["vocab_size"]
+    batch = sampling_rows.batch_for([], 0, vocab, size=rows).replace(
+        all_greedy=False, top_p_or_min_p=True, max_top_k=64, penalties=True, logprobs=True, ranks=True,
+        num_top_logprobs=20)
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=on_h100)
+    program = sampler.sample.lower(logits, _placed(batch, on_h100)).compile()
+    assert stages.footprint(program) < 2**30
