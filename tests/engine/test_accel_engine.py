@@ -103,11 +103,17 @@ def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, k
 
 def test_the_heaviest_sampler_compiles_for_h100(on_h100):
     """The sampler with everything on (temperature, top-k, top-p, penalties, ranks, 20
-    log-probabilities) over 256 rows of a 128256-token vocabulary."""
+    log-probabilities) over 256 rows of a 128256-token vocabulary, alone and inside a
+    multi-step loop (which compiles on first use of such sampling)."""
     rows, vocab = ENGINE["max_num_seqs"], LLAMA_1B["vocab_size"]
-    batch = sampling_rows.batch_for([], 0, vocab, size=rows).replace(
+    batch = sampling_rows.batch_for([], 0, vocab, size=rows, steps=LOOP_STEPS).replace(
         all_greedy=False, top_p_or_min_p=True, max_top_k=64, penalties=True, logprobs=True, ranks=True,
         num_top_logprobs=20)
     logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=on_h100)
     program = sampler.sample.lower(logits, _placed(batch, on_h100)).compile()
     assert stages.footprint(program) < 2**30
+    runner, kv_caches = _runner(on_h100)
+    stage, config, mesh, args = runner._loop_call(rows, kv_caches, LOOP_STEPS)
+    params, input_ids, positions, metadata, kv_caches, _, per_row, tokens = _placed(args, on_h100)
+    loop = (params, input_ids, positions, metadata, kv_caches, _placed(batch, on_h100), per_row, tokens)
+    assert stages.compile_all([(stage, config, mesh, loop)]) == 1
