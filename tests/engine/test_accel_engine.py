@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import transformers
 
-from engine.worker import model_runner, sampler, sampling_rows, stages
+import models
+from engine.worker import model_runner, sampler, sampling_rows, stages, tensor_parallel
 from models import llama
 from models.config import from_hf
 from tests.models.tiny_models import llama_shapes
@@ -50,17 +51,23 @@ def _placed(tree, sharding, dtype=None):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sharding), tree)
 
 
-def _runner(sharding) -> tuple[model_runner.ModelRunner, list]:
-    """A runner of the Llama-3.2-1B-shaped model (abstract bfloat16 weights on ``sharding``)
-    and its KV caches (4096 blocks a layer, abstract)."""
+def _runner(sharding, mesh=None) -> tuple[model_runner.ModelRunner, list]:
+    """A runner of the Llama-3.2-1B-shaped model (abstract bfloat16 weights) and its KV caches
+    (4096 blocks a layer, abstract): on ``sharding``, or split over ``mesh`` as tensor
+    parallelism splits them."""
     hf = transformers.LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
     config, shapes = from_hf(hf.to_dict()), llama_shapes(hf)
     params = llama.params_from_hf(config, lambda name: np.broadcast_to(np.float32(0), shapes[name]),
                                   lambda tree: _placed(tree, sharding, jnp.bfloat16))
     params["rope"] = _placed(params["rope"], sharding)  # float32, as the loader keeps them
-    cache = jax.ShapeDtypeStruct((config.num_kv_heads, 4096, ENGINE["block_size"], config.head_dim), jnp.bfloat16,
-                                 sharding=sharding)
-    return model_runner.ModelRunner(config, params, **ENGINE), [(cache, cache)] * config.num_layers
+    cache = (config.num_kv_heads, 4096, ENGINE["block_size"], config.head_dim)
+    if mesh is None:
+        cache = jax.ShapeDtypeStruct(cache, jnp.bfloat16, sharding=sharding)
+    else:
+        params = jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), params,
+                              models.named_shardings(mesh, models.param_specs(params)))
+        cache = jax.ShapeDtypeStruct(cache, jnp.bfloat16, sharding=tensor_parallel.cache_sharding(mesh))
+    return model_runner.ModelRunner(config, params, **ENGINE, mesh=mesh), [(cache, cache)] * config.num_layers
 
 
 # The attention kernels' names in a compiled program, by the kernels a GPU runs.
@@ -117,3 +124,27 @@ def test_the_heaviest_sampler_compiles_for_h100(on_h100):
     params, input_ids, positions, metadata, kv_caches, _, per_row, tokens = _placed(args, on_h100)
     loop = (params, input_ids, positions, metadata, kv_caches, _placed(batch, on_h100), per_row, tokens)
     assert stages.compile_all([(stage, config, mesh, loop)]) == 1
+
+
+def test_a_tensor_parallel_engine_compiles_for_two_h100s(on_h100, monkeypatch):
+    """Every program of an engine split over two GPUs (``tensor_parallel_size=2``), which no
+    GPU session here has had: the layers all-reduce, and each device runs the paged kernels on
+    its own heads."""
+    devices = gpu_devices("1x1x2")
+    mesh = jax.sharding.Mesh(np.array(devices), (models.sharding.AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    runner, kv_caches = _runner(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), mesh)
+    monkeypatch.setattr(runner, "_inputs", None)  # step inputs made on the host, then placed on the mesh
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def on_mesh(tree):  # the step's inputs replicated; weights and caches as they are split
+        return jax.tree.map(lambda a: a if getattr(a.sharding, "mesh", None) == mesh
+                            else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), tree)
+
+    calls = [(stage, config, mesh, on_mesh(args)) for shape in runner._step_shapes()
+             for stage, config, mesh, args in runner._calls(shape, kv_caches)]
+    assert stages.compile_all(calls) == len({stages._key(*call) for call in calls}) > 30
+    for key, program in stages._compiled.items():
+        if key[0] == "layer":
+            text = program.as_text()
+            assert "all-reduce" in text
+            assert "ragged_paged_attention" in text or "paged_decode_attention" in text  # prompts; decodes

@@ -33,12 +33,16 @@ def tpu_devices():
     return topologies.get_topology_desc("v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)).devices
 
 
-def gpu_devices():
-    """A compile-only H100, described by ``data/h100.txtpb`` (the CUDA plugin needs no GPU for this)."""
+H100_CONFIG_FILE = pathlib.Path(__file__).parent / "data" / "h100.txtpb"
+
+
+def gpu_devices(topology: str = "1x1x1"):
+    """Compile-only H100s (``topology``: one by default), described by ``data/h100.txtpb``
+    (the CUDA plugin needs no GPU for this)."""
     if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (13, 12)):
         pytest.skip("needs the cuda extra: pip install -e '.[cuda]'")
-    target_config = (pathlib.Path(__file__).parent / "data" / "h100.txtpb").read_text()
-    return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config).devices
+    return topologies.get_topology_desc(platform="cuda", topology=topology,
+                                        target_config=H100_CONFIG_FILE.read_text()).devices
 
 
 def compile_for(devices, fn, q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, ragged, seqs=8):
