@@ -24,7 +24,7 @@ import os
 
 import jax
 
-from pallas_paged import decode, decode_tpu, hopper, lowering, native, prompts, ragged, tiling
+from pallas_paged import decode, decode_tpu, hopper, lowering, native, precision, prompts, ragged, tiling
 from pallas_paged.cache_ops import copy_blocks, swap_in, swap_out, write_kv
 from pallas_paged.layout import KVCacheSpec, blocks_needed
 from pallas_paged.matmul import (
@@ -168,14 +168,15 @@ def _cuda_kernel(q, k_cache, scale, *, triton, mosaic):
 
 
 def hopper_paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale, interpret=False):
-    """:func:`hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits; a
-    float32 q in the cache's dtype (:func:`hopper.supports`), the output back in q's."""
+    """:func:`hopper.paged_attention` with :data:`tiling.HOPPER`'s knobs and its splits; q
+    (16-bit or float32, :func:`hopper.supports`) scaled and in the cache's dtype as the Triton
+    kernels multiply it (:func:`precision.scaled_query`), the output back in q's dtype."""
     knobs = tiling.HOPPER
     steps = -(-block_tables.shape[1] * k_cache.shape[2] // knobs.keys_per_step)
     splits = knobs.decode_splits(q.shape[0] * k_cache.shape[0], steps)
-    return hopper.paged_attention(q.astype(k_cache.dtype), k_cache, v_cache, block_tables, context_lens, scale=scale,
-                                  keys_per_step=knobs.keys_per_step, stages=knobs.stages, splits=splits,
-                                  interpret=interpret).astype(q.dtype)
+    return hopper.paged_attention(precision.scaled_query(q, scale, k_cache.dtype), k_cache, v_cache, block_tables,
+                                  context_lens, scale=1.0, keys_per_step=knobs.keys_per_step, stages=knobs.stages,
+                                  splits=splits, interpret=interpret).astype(q.dtype)
 
 
 def hopper_ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale,
@@ -183,9 +184,10 @@ def hopper_ragged_paged_attention(q, k_cache, v_cache, block_tables, context_len
     """:func:`hopper.ragged_paged_attention` with :data:`tiling.HOPPER`'s knobs; q as
     :func:`hopper_paged_attention` takes it."""
     knobs = tiling.HOPPER
-    return hopper.ragged_paged_attention(q.astype(k_cache.dtype), k_cache, v_cache, block_tables, context_lens,
-                                         query_start_loc, scale=scale, keys_per_step=knobs.keys_per_step,
-                                         stages=knobs.stages, interpret=interpret).astype(q.dtype)
+    return hopper.ragged_paged_attention(precision.scaled_query(q, scale, k_cache.dtype), k_cache, v_cache,
+                                         block_tables, context_lens, query_start_loc, scale=1.0,
+                                         keys_per_step=knobs.keys_per_step, stages=knobs.stages,
+                                         interpret=interpret).astype(q.dtype)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):

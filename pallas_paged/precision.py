@@ -10,9 +10,18 @@ exact in float32 accumulation already, and stay as fast as they were).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
 def for_operands(dtype) -> jax.lax.Precision:
     """``HIGHEST`` for float32 (or wider) operands, ``DEFAULT`` for 16-bit ones."""
     return jax.lax.Precision.HIGHEST if np.dtype(dtype).itemsize >= 4 else jax.lax.Precision.DEFAULT
+
+
+def scaled_query(q, scale: float, dtype):
+    """The query operand of a product with keys of ``dtype``, as the Triton kernels make it:
+    ``q * scale`` in float32, then rounded to ``dtype``. q: [..., d] → [..., d] in ``dtype``.
+    (Rounding first and scaling the scores after would differ by a rounding at head size 128,
+    and overflow float16 where the scaled query does not.)"""
+    return (q.astype(jnp.float32) * scale).astype(dtype)

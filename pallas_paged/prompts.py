@@ -20,6 +20,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_paged import precision
+
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Before 0.12, JAX strides the packed keys' and values' segment offsets by the number of query
 # heads, not their own (`_fix_seqlen_offsets`): with GQA the second segment's keys would be read
@@ -93,14 +95,15 @@ def cudnn_attention(q, k, v, query_start_loc, *, scale):
 def or_paged(paged, new_kv, scale: float):
     """The CUDA branch of ragged attention with fresh prompts through cuDNN: ``paged`` (a
     function of the op's arrays) unless every sequence is fresh (:func:`all_fresh`);
-    ``new_kv``: (k, v), this step's keys and values, [T, kv_heads, d] each. cuDNN gets q, k and
-    v in the cache's dtype (the values the cache holds, and the paged kernels' operands); the
-    output is in q's."""
+    ``new_kv``: (k, v), this step's keys and values, [T, kv_heads, d] each. cuDNN gets k and v
+    in the cache's dtype (the values the cache holds) and q scaled and rounded to it, as the
+    paged kernels multiply them (:func:`precision.scaled_query`); the output is in q's dtype."""
 
     def attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc):
         def fresh():
-            q16, k16, v16 = (x.astype(k_cache.dtype) for x in (q, *new_kv))
-            return cudnn_attention(q16, k16, v16, query_start_loc, scale=scale).astype(q.dtype)
+            k16, v16 = (x.astype(k_cache.dtype) for x in new_kv)
+            q16 = precision.scaled_query(q, scale, k_cache.dtype)
+            return cudnn_attention(q16, k16, v16, query_start_loc, scale=1.0).astype(q.dtype)
 
         return jax.lax.cond(all_fresh(context_lens, query_start_loc), fresh,
                             lambda: paged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc))

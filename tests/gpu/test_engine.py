@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine import LLM, SamplingParams
 from pallas_paged import hopper
+from pallas_paged import prompts as fresh_prompts
 from tests.engine.server import running_server
 from tests.engine.tiny import ENGINE, assert_greedy_batch_matches, prompts, tiny_llm
 from tests.gpu.conftest import gpu_only, hopper_or_skip
@@ -37,14 +38,21 @@ def test_greedy_batch_matches_hugging_face(name, dtype, tmp_path):
     assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_mosaic_gpu_kernels_match_hugging_face(dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype,cudnn", [("bfloat16", False), ("float16", False), ("bfloat16", True)],
+                         ids=["bf16", "f16", "bf16-cudnn-prompts"])
+def test_the_mosaic_gpu_kernels_match_hugging_face(dtype, cudnn, tmp_path, monkeypatch):
     """The engine with the Hopper kernels (PALLAS_PAGED_GPU_ATTENTION=mosaic) on a model whose
     heads they take (size 64; the tiny models' are 16): prompts through the ragged kernel,
-    tokens through decode, as Hugging Face's greedy output (within its top-5, as above)."""
+    tokens through decode, as Hugging Face's greedy output (within its top-5, as above). With
+    ``cudnn``, the first step's whole prompts go through cuDNN (PALLAS_PAGED_CUDNN_PROMPTS=1)."""
     hopper_or_skip()
     require_torch()
     monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
+    if cudnn:
+        monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+        attention = fresh_prompts.cudnn_attention
+        monkeypatch.setattr(fresh_prompts, "cudnn_attention",
+                            lambda *arrays, **options: traced.append("cudnn") or attention(*arrays, **options))
     monkeypatch.setitem(tiny_models.TINY_CONFIGS, "llama_head64",
                         dict(tiny_models.TINY_CONFIGS["llama_gqa_tied"], head_dim=64))
     traced = []
@@ -58,6 +66,7 @@ def test_the_mosaic_gpu_kernels_match_hugging_face(dtype, tmp_path, monkeypatch)
     llm, _ = tiny_llm("llama_head64", tmp_path, dtype=dtype)
     assert_greedy_batch_matches(llm, load_hf_model(tmp_path))
     assert {"paged_attention", "ragged_paged_attention"} <= set(traced), "the engine did not run the Mosaic kernels"
+    assert ("cudnn" in traced) == cudnn, "cuDNN for the whole prompts"
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -47,16 +47,27 @@ def test_ragged_matches_oracle(dtype, heads, block_size):
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
 
 
-# A few cases each (a device check has minutes): GQA 4 and 3 (padded), MHA, both head sizes, both dtypes.
+# A few cases each (a device check has minutes): GQA 4 and 3 (padded), MHA, both head sizes, both
+# dtypes, and the engine's float32 queries over a bfloat16 cache.
 HOPPER_CASES = pytest.mark.parametrize(
-    "dtype,heads,head_dim", [(jnp.bfloat16, (32, 8), 128), (jnp.bfloat16, (9, 3), 64), (jnp.float16, (8, 8), 128)],
-    ids=["gqa4", "gqa3", "mha-f16"])
+    "dtype,heads,head_dim,q_dtype", [(jnp.bfloat16, (32, 8), 128, None), (jnp.bfloat16, (9, 3), 64, None),
+                                     (jnp.float16, (8, 8), 128, None), (jnp.bfloat16, (32, 8), 64, jnp.float32)],
+    ids=["gqa4", "gqa3", "mha-f16", "gqa4-f32-q"])
+
+
+def _queries(args, q_dtype):
+    """``args`` (an op's arrays, q first) with q in ``q_dtype`` (None: as made), not exact in
+    the cache's dtype."""
+    if q_dtype is None:
+        return args
+    q = args[0].astype(q_dtype) + 1e-3 * jax.random.normal(jax.random.key(1), args[0].shape, q_dtype)
+    return (q, *args[1:])
 
 
 @HOPPER_CASES
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("many", [False, True], ids=["split", "one-program-each"])
-def test_hopper_decode_compiled_matches_oracle(dtype, heads, head_dim, block_size, many):
+def test_hopper_decode_compiled_matches_oracle(dtype, heads, head_dim, q_dtype, block_size, many):
     """The Mosaic GPU kernel (wgmma, TMA) compiled, whether or not ``tiling.HOPPER`` is enabled:
     a few sequences split their keys over programs; 300 fill the GPU one program each."""
     hopper_or_skip()
@@ -64,29 +75,31 @@ def test_hopper_decode_compiled_matches_oracle(dtype, heads, head_dim, block_siz
                                                                                           1037, 77]
     s = make(decode_seqs(contexts), q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
              dtype=dtype, seed=block_size + head_dim)
+    args = _queries(s.decode_args, q_dtype)
     hopper = jax.jit(functools.partial(pallas_paged.hopper_paged_attention, scale=head_dim**-0.5))
-    assert "mosaic_gpu" in hopper.lower(*s.decode_args).as_text()
-    assert_close(hopper(*s.decode_args), reference.paged_attention(*s.decode_args), jnp.bfloat16)
+    assert "mosaic_gpu" in hopper.lower(*args).as_text()
+    assert_close(hopper(*args), reference.paged_attention(*args), jnp.bfloat16)
 
 
 @HOPPER_CASES
-def test_hopper_ragged_compiled_matches_oracle(dtype, heads, head_dim):
+def test_hopper_ragged_compiled_matches_oracle(dtype, heads, head_dim, q_dtype):
     """The Mosaic GPU ragged kernel compiled: whole prompts, a chunk after a cached prefix,
     decodes, an idle sequence and padding rows."""
     hopper_or_skip()
     seqs = [(1, 1), (45, 45), (64, 64), (1100, 60), (53, 1), (32, 0), (250, 17), (700, 700)]
     s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=16, dtype=dtype,
              padding_tokens=5, seed=head_dim)
+    args = _queries(s.ragged_args, q_dtype)
     hopper = jax.jit(functools.partial(pallas_paged.hopper_ragged_paged_attention, scale=head_dim**-0.5))
-    assert "mosaic_gpu" in hopper.lower(*s.ragged_args).as_text()
-    actual = hopper(*s.ragged_args)
-    assert_close(actual, reference.ragged_paged_attention(*s.ragged_args), jnp.bfloat16)
+    assert "mosaic_gpu" in hopper.lower(*args).as_text()
+    actual = hopper(*args)
+    assert_close(actual, reference.ragged_paged_attention(*args), jnp.bfloat16)
     assert not np.asarray(actual[-5:].astype(jnp.float32)).any(), "padding rows must come out as zeros"
 
 
 @HOPPER_CASES
 @pytest.mark.parametrize("fresh", [True, False], ids=["whole-prompts:cudnn", "cached-prefix:paged"])
-def test_cudnn_for_fresh_prompts_matches_oracle(monkeypatch, dtype, heads, head_dim, fresh):
+def test_cudnn_for_fresh_prompts_matches_oracle(monkeypatch, dtype, heads, head_dim, q_dtype, fresh):
     """With PALLAS_PAGED_CUDNN_PROMPTS=1, a step of whole prompts (and padding) runs cuDNN's
     flash attention over the step's own K and V; a step with a cached prefix, the paged kernel.
     Both as the oracle, each given inputs only its own path can use: the fresh step a cache of
@@ -96,12 +109,14 @@ def test_cudnn_for_fresh_prompts_matches_oracle(monkeypatch, dtype, heads, head_
     seqs = [(45, 45), (64, 64), (700, 700), (1, 1), (0, 0)] if fresh else [(45, 45), (300, 60), (1, 1)]
     s = make(seqs, q_heads=heads[0], kv_heads=heads[1], head_dim=head_dim, block_size=16, dtype=dtype,
              padding_tokens=5)
-    expected = reference.ragged_paged_attention(*s.ragged_args)
-    q, k_cache, v_cache, *rest = s.ragged_args
+    args = _queries(s.ragged_args, q_dtype)
+    expected = reference.ragged_paged_attention(*args)
+    q, k_cache, v_cache, *rest = args
     if fresh:
         k_cache, v_cache, new_kv = jnp.full_like(k_cache, jnp.nan), jnp.full_like(v_cache, jnp.nan), s.new_kv()
     else:
         new_kv = tuple(jnp.zeros_like(x) for x in s.new_kv())
+    new_kv = tuple(x.astype(q.dtype) for x in new_kv)  # the engine's, before the cache rounds them
     step = jax.jit(lambda *arrays: pallas_paged.ragged_paged_attention(*arrays[:6], new_kv=arrays[6:]))
     actual = step(q, k_cache, v_cache, *rest, *new_kv)
     assert_close(actual, expected, jnp.bfloat16)

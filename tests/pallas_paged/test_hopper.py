@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_paged
@@ -46,15 +47,30 @@ def test_more_splits_than_a_sequence_has_steps():
     assert_close(actual, reference.paged_attention(*s.decode_args), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16-q", "f32-q"])
-def test_public_op_with_the_hopper_tiling_matches_oracle(q_dtype):
+@pytest.mark.parametrize("q_dtype,head_dim", [(jnp.bfloat16, 64), (jnp.float32, 64), (jnp.float32, 128)],
+                         ids=["bf16-q", "f32-q", "f32-q-head128"])
+def test_public_op_with_the_hopper_tiling_matches_oracle(q_dtype, head_dim):
     """The knobs and splits `pallas_paged` gives the kernel on a GPU (tiling.HOPPER); the
-    engine's float32 queries over a bfloat16 cache come back in float32."""
-    s = make(decode_seqs([90, 33]), q_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
-    args = (s.q.astype(q_dtype), *s.decode_args[1:])
-    actual = pallas_paged.hopper_paged_attention(*args, scale=0.125, interpret=True)
+    engine's float32 queries (not exact in bfloat16) over a bfloat16 cache come back in float32."""
+    s = make(decode_seqs([90, 33]), q_heads=8, kv_heads=2, head_dim=head_dim, block_size=16, dtype=jnp.bfloat16)
+    q = s.q.astype(q_dtype)
+    if q_dtype == jnp.float32:
+        q = q + 1e-3 * jax.random.normal(jax.random.key(0), q.shape)
+    args = (q, *s.decode_args[1:])
+    actual = pallas_paged.hopper_paged_attention(*args, scale=head_dim**-0.5, interpret=True)
     assert actual.dtype == q_dtype
     assert_close(actual, reference.paged_attention(*args), jnp.bfloat16)
+
+
+def test_a_float16_cache_takes_the_query_scaled_before_it_is_rounded():
+    """A float32 query past float16's range whose scaled value is within it: the kernels get
+    the Triton kernels' operand (scaled in float32, then rounded), not an infinity."""
+    s = make(decode_seqs([40, 7]), q_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float16)
+    q = s.q.astype(jnp.float32).at[0, 0, 0].set(1e5)
+    args = (q, *s.decode_args[1:])
+    actual = pallas_paged.hopper_paged_attention(*args, scale=0.125, interpret=True)
+    assert np.isfinite(np.asarray(actual)).all()
+    assert_close(actual, reference.paged_attention(*args), jnp.bfloat16)  # 16-bit operands
 
 
 @pytest.mark.parametrize("heads,block_size", [((8, 2), 16), ((9, 3), 16), ((4, 4), 32)],
