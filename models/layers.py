@@ -21,9 +21,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import pallas_paged
 from models.config import ModelConfig, ModelLoadError
+from models.sharding import AXIS
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -88,6 +90,30 @@ def packed_for_cpu(params, *, consume: bool = False):
         if pallas_paged.screenable(packed["embed"]):  # float32: 57 MB more for SmolLM2
             packed["lm_head"].update(pallas_paged.argmax_screen(packed["embed"]))
     return packed
+
+
+def embedding(table, input_ids):
+    """Rows ``input_ids`` of ``table``: [vocab, hidden] → float32 [T, hidden] (input_ids int32[T]).
+
+    Under a mesh with a ``"tp"`` axis the table is split over the vocabulary
+    (:mod:`models.sharding`): each device takes the rows it holds, zeros for the others, and
+    one all-reduce sums them (Megatron's vocabulary-parallel embedding). Left to XLA's
+    partitioner, the lookup gathered the whole table on every device at every step (525 MB for
+    Llama-3.2-1B in bfloat16).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+        return table[input_ids].astype(jnp.float32)
+
+    def own_rows(table, input_ids):
+        rows = table.shape[0]
+        index = input_ids - jax.lax.axis_index(AXIS) * rows
+        held = (index >= 0) & (index < rows)
+        found = table[jnp.clip(index, 0, rows - 1)].astype(jnp.float32)
+        return jax.lax.psum(jnp.where(held[:, None], found, 0.0), AXIS)
+
+    return jax.shard_map(own_rows, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(), check_vma=False)(
+        table, input_ids)
 
 
 def rms_norm(x, p, eps):

@@ -31,7 +31,7 @@ def embed(config: ModelConfig, params, input_ids, positions):
     The tables are rows of ``params["rope"]`` (:func:`models.layers.rope_table`), gathered
     once a step, so the layer programs of a prompt step take them as arguments.
     """
-    return params["embed"][input_ids].astype(jnp.float32), layers.rotary(positions, params["rope"])
+    return layers.embedding(params["embed"], input_ids), layers.rotary(positions, params["rope"])
 
 
 def layer(config: ModelConfig, p, x, rope, metadata, kv_cache):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from models import layers
@@ -26,7 +25,7 @@ POSITION_OFFSET = 2
 def embed(config: ModelConfig, params, input_ids, positions):
     """Token plus learned position embeddings. input_ids, positions: int32[T] → (float32
     [T, hidden], ()): the layers need nothing more about positions."""
-    x = params["embed"][input_ids].astype(jnp.float32)
+    x = layers.embedding(params["embed"], input_ids)
     if "project_in" in params:
         x = layers.linear(x, params["project_in"])
     return x + params["pos_embed"][positions + POSITION_OFFSET], ()

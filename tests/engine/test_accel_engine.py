@@ -75,11 +75,9 @@ KERNELS = {"triton": {"decode": "paged_decode_attention\"", "layer": "ragged_pag
            "hopper": {"decode": "paged_decode_attention_sm90", "layer": "ragged_paged_attention_sm90"}}
 
 
-@pytest.mark.parametrize("kernels", ["triton", "hopper"])
-def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, kernels):
-    """With the default kernels (Triton), and with the Hopper ones turned on (Mosaic GPU for
-    paged attention, cuDNN for steps of whole prompts): the engine's float32 queries over its
-    bfloat16 cache reach them, in every program that attends."""
+def _use(kernels: str, monkeypatch) -> None:
+    """Run ``kernels``: the default ones (Triton), or the Hopper ones turned on (Mosaic GPU for
+    paged attention, cuDNN for steps of whole prompts)."""
     if kernels == "hopper":
         from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -89,6 +87,27 @@ def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, k
         # a compile-only H100 has no device to ask, so answer for it.
         monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
         monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+
+
+def _check_kernels(kernels: str) -> None:
+    """Each compiled program that attends holds ``kernels``' (cuDNN in a step with prompts
+    exactly when the Hopper ones are on), and none a CPU kernel's custom call."""
+    for key, program in stages._compiled.items():
+        text = program.as_text()
+        assert "pallas_paged_" not in text, f"{key[0]}: a CPU kernel's custom call"
+        if key[0] in ("decode", "decode_steps"):
+            assert KERNELS[kernels]["decode"] in text, f"{key[0]} runs no {KERNELS[kernels]['decode']}"
+        if key[0] == "layer":  # a step with prompts, or under tensor parallelism any step
+            assert any(name in text for name in KERNELS[kernels].values()), "a layer without the paged kernels"
+            if "ragged_paged_attention" in text:
+                assert ("__cudnn$fmha" in text) == (kernels == "hopper"), "cuDNN for steps of whole prompts"
+
+
+@pytest.mark.parametrize("kernels", ["triton", "hopper"])
+def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, kernels):
+    """With the default kernels and with the Hopper ones: the engine's float32 queries over
+    its bfloat16 cache reach them, in every program that attends."""
+    _use(kernels, monkeypatch)
     runner, kv_caches = _runner(on_h100)
     assert runner.one_program_buckets == runner.decode_buckets, "on a GPU every decode step is one program"
     calls = [call for shape in runner._step_shapes() for call in runner._calls(shape, kv_caches)]
@@ -98,14 +117,7 @@ def test_every_program_of_a_gpu_engine_compiles_for_h100(on_h100, monkeypatch, k
     assert compiled == len({stages._key(*call) for call in calls}) > 30
     stages_compiled = {key[0] for key in stages._compiled}
     assert stages_compiled == {"decode", "decode_steps", "embed", "layer", "head", "pick"}
-    for key, program in stages._compiled.items():
-        text = program.as_text()
-        assert "pallas_paged_" not in text, f"{key[0]}: a CPU kernel's custom call"
-        kernel = KERNELS[kernels]["layer" if key[0] == "layer" else "decode"]
-        if key[0] in ("decode", "decode_steps", "layer"):
-            assert kernel in text, f"{key[0]} runs no {kernel}"
-        if key[0] == "layer":
-            assert ("__cudnn$fmha" in text) == (kernels == "hopper"), "cuDNN for steps of whole prompts"
+    _check_kernels(kernels)
 
 
 def test_the_heaviest_sampler_compiles_for_h100(on_h100):
@@ -126,25 +138,34 @@ def test_the_heaviest_sampler_compiles_for_h100(on_h100):
     assert stages.compile_all([(stage, config, mesh, loop)]) == 1
 
 
-def test_a_tensor_parallel_engine_compiles_for_two_h100s(on_h100, monkeypatch):
+@pytest.mark.parametrize("kernels", ["triton", "hopper"])
+def test_a_tensor_parallel_engine_compiles_for_two_h100s(on_h100, monkeypatch, kernels):
     """Every program of an engine split over two GPUs (``tensor_parallel_size=2``), which no
-    GPU session here has had: the layers all-reduce, and each device runs the paged kernels on
-    its own heads."""
+    GPU session here has had, its multi-step loops included: each layer all-reduces its two
+    partial sums and gathers nothing, each device runs the kernels on its own 4 of the 8 KV
+    heads, and the embedding lookup sums each device's own rows (XLA's partitioner had the
+    whole table gathered, on GPUs, though not on CPUs: ``models.layers.embedding``)."""
+    _use(kernels, monkeypatch)
     devices = gpu_devices("1x1x2")
     mesh = jax.sharding.Mesh(np.array(devices), (models.sharding.AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    runner, kv_caches = _runner(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), mesh)
-    monkeypatch.setattr(runner, "_inputs", None)  # step inputs made on the host, then placed on the mesh
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    runner, kv_caches = _runner(whole, mesh)
+    monkeypatch.setattr(runner, "_inputs", None)  # step inputs made on the host, then placed on the mesh
 
     def on_mesh(tree):  # the step's inputs replicated; weights and caches as they are split
         return jax.tree.map(lambda a: a if getattr(a.sharding, "mesh", None) == mesh
                             else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), tree)
 
-    calls = [(stage, config, mesh, on_mesh(args)) for shape in runner._step_shapes()
-             for stage, config, mesh, args in runner._calls(shape, kv_caches)]
+    calls = [call for shape in runner._step_shapes() for call in runner._calls(shape, kv_caches)]
+    calls += [runner._loop_call(rows, kv_caches, LOOP_STEPS) for rows in runner.decode_buckets[-2:]]
+    calls = [(stage, config, mesh, on_mesh(args)) for stage, config, mesh, args in calls]
     assert stages.compile_all(calls) == len({stages._key(*call) for call in calls}) > 30
+    _check_kernels(kernels)
+    per_device_cache = f"bf16[4,4096,{ENGINE['block_size']},64]"
     for key, program in stages._compiled.items():
+        text = program.as_text()
+        if key[0] in ("embed", "layer"):  # (the head gathers the logits, split over the vocabulary)
+            assert "all-gather" not in text, f"{key[0]} gathers what tensor parallelism keeps split"
+            assert text.count("all-reduce-start(") == {"embed": 1, "layer": 2}[key[0]], key[0]
         if key[0] == "layer":
-            text = program.as_text()
-            assert "all-reduce" in text
-            assert "ragged_paged_attention" in text or "paged_decode_attention" in text  # prompts; decodes
+            assert per_device_cache in text

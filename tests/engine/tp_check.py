@@ -66,7 +66,12 @@ def main():
     for text in layers:
         counts = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")}
         assert counts == {"all-reduce": 2, "all-gather": 0, "all-to-all": 0, "collective-permute": 0}, counts
-    print(f"ok: {DEVICES} devices, logits within {diff:.1e}, {len(layers)} layer programs with 2 all-reduces each")
+    embeds = [exe.as_text() for key, exe in stages._compiled.items() if key[0] == "embed" and key[2] is not None]
+    for text in embeds:  # the vocabulary-parallel lookup: each device's own rows, summed
+        counts = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather")}
+        assert counts == {"all-reduce": 1, "all-gather": 0}, f"the embedding lookup moves the table: {counts}"
+    print(f"ok: {DEVICES} devices, logits within {diff:.1e}, {len(layers)} layer programs with 2 all-reduces each, "
+          f"{len(embeds)} embedding programs with one")
 
 
 if __name__ == "__main__":
