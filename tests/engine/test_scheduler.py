@@ -330,3 +330,22 @@ def test_a_loop_of_rows_and_an_aborted_record_group_records_the_rows_tokens():
     updated = scheduler.update(state, [each])
     assert updated.without_rows() == scheduler_update.update_in_general(state, [each])
     assert [scheduler.find_group(updated, name).seqs[0].output_token_ids for name in "ab"] == [(1, 7, 8, 9), (1, 4, 5)]
+
+
+def test_a_group_leaving_the_rows_runs_on_before_newer_records():
+    """A request of two samples held as rows loses one (a stop token) while a newer request of
+    two, still a record, runs beside it: it leaves the rows and runs on as a record before the
+    newer one, in arrival order, as the general path keeps it."""
+    state = scheduler.initial_state(make_config(block_size=4))
+    state = scheduler.add_request(state, "p", (1, 2, 3, 4), max_tokens=20, num_seqs=2)  # a full block: rows at once
+    state, out = scheduler.schedule(state)
+    state = scheduler.update(state, append_ones(out))
+    state = scheduler.add_request(state, "q", (5, 6, 7), max_tokens=20, num_seqs=2)  # a shared last block: a record
+    state, out = scheduler.schedule(state)
+    assert (state.rows.request_ids, [group.request_id for group in state.running_groups]) == (("p", "p"), ["q"])
+    actions = append_ones(out)
+    actions.insert(1, scheduler.Finish(int(state.rows.seq_ids[0]), SequenceStatus.FINISHED_STOPPED))
+    assert scheduler_update._update_rows(state, actions) is not None, "the rows' update took this step"
+    updated = scheduler.update(state, actions)
+    assert [group.request_id for group in updated.running_groups] == ["p", "q"] and not len(updated.rows)
+    assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
