@@ -4,8 +4,11 @@
 GPU engine would compile at its warm-up (each decode bucket as one program, the stages of the
 steps with prompts, the multi-step loops) and its heaviest sampler, for a model of
 Llama-3.2-1B's widths and vocabulary in bfloat16 (two of its 16 layers: the layers' programs
-are the same), through the runner's own calls and compile path. A GPU session then spends its
-minutes on timing and numbers, not on a program that XLA's GPU compiler refuses.
+are the same), through the runner's own calls and compile path; with the default kernels and
+with the Hopper ones turned on; and the same engine split over two H100s (tensor parallelism),
+its collectives counted. A GPU session then spends its minutes on timing and numbers, not on a
+program that XLA's GPU compiler refuses, a kernel the engine never reaches, or a table gathered
+at every step.
 """
 
 from __future__ import annotations
