@@ -27,24 +27,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_paged import decode
+from pallas_paged import decode, precision
 from pallas_paged.tiling import QueryTiles
 
 ROWS = 64  # a wgmma's M: the query rows of one program (the GQA group, zero-padded)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LOG2E = math.log2(math.e)
 
 
 def supports(q_dtype, cache_dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
              keys_per_step: int) -> bool:
-    """Whether the kernels take these shapes: a 16-bit cache and q of its dtype, or float32 (the
-    engine's queries, which the public wrappers cast to the cache's dtype, as the Triton kernels
-    cast them for their products), head size 64 or 128 (whole 128-byte swizzled rows; 256 would
+    """Whether the kernels take these shapes: queries :func:`precision.takes_query` allows
+    (the public wrappers make a float32 query the cache's dtype, as the Triton kernels make it
+    for their products), head size 64 or 128 (whole 128-byte swizzled rows; 256 would
     not fit a split decode's shared memory), blocks of at least 8 keys that tile a step of at
     most 256 keys (a wgmma's widest), and a GQA group of at most :data:`ROWS` query heads."""
-    return (jnp.dtype(cache_dtype) in DTYPES and jnp.dtype(q_dtype) in (jnp.dtype(cache_dtype), jnp.dtype(jnp.float32))
-            and head_dim in (64, 128) and block_size % 8 == 0 and keys_per_step % block_size == 0
-            and keys_per_step in (64, 128, 192, 256) and q_heads // kv_heads <= ROWS)
+    return (precision.takes_query(q_dtype, cache_dtype) and head_dim in (64, 128) and block_size % 8 == 0
+            and keys_per_step % block_size == 0 and keys_per_step in (64, 128, 192, 256)
+            and q_heads // kv_heads <= ROWS)
 
 
 def interpret_params():

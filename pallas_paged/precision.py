@@ -19,6 +19,16 @@ def for_operands(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if np.dtype(dtype).itemsize >= 4 else jax.lax.Precision.DEFAULT
 
 
+SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def takes_query(q_dtype, cache_dtype) -> bool:
+    """Whether a kernel of 16-bit products (Mosaic GPU's, cuDNN's) takes queries of
+    ``q_dtype`` over a cache of ``cache_dtype``: a 16-bit cache, and q of its dtype or float32
+    (the engine's, made the operand by :func:`scaled_query`)."""
+    return np.dtype(cache_dtype) in SIXTEEN_BIT and np.dtype(q_dtype) in (np.dtype(cache_dtype), np.dtype(np.float32))
+
+
 def scaled_query(q, scale: float, dtype):
     """The query operand of a product with keys of ``dtype``, as the Triton kernels make it:
     ``q * scale`` in float32, then rounded to ``dtype``. q: [..., d] → [..., d] in ``dtype``.

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from pallas_paged import precision
 
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Before 0.12, JAX strides the packed keys' and values' segment offsets by the number of query
 # heads, not their own (`_fix_seqlen_offsets`): with GQA the second segment's keys would be read
 # from the wrong tokens. There, K and V get one head per query head.
@@ -39,11 +38,10 @@ def enabled(default: bool) -> bool:
 
 
 def supports(q_dtype, cache_dtype, head_dim: int) -> bool:
-    """Whether cuDNN's flash attention takes these queries: a 16-bit cache, and q of its dtype
-    or float32 (the engine's; :func:`or_paged` casts q, k and v to the cache's dtype, as the
-    paged kernels read them), head size a multiple of 8 up to 256 (Hopper's limits)."""
-    return (jnp.dtype(cache_dtype) in DTYPES and jnp.dtype(q_dtype) in (jnp.dtype(cache_dtype), jnp.dtype(jnp.float32))
-            and head_dim % 8 == 0 and head_dim <= 256)
+    """Whether cuDNN's flash attention takes these queries: as :func:`precision.takes_query`
+    allows (:func:`or_paged` makes q, k and v the cache's dtype, as the paged kernels read
+    them), head size a multiple of 8 up to 256 (Hopper's limits)."""
+    return precision.takes_query(q_dtype, cache_dtype) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def all_fresh(context_lens, query_start_loc):
