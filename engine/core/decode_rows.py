@@ -35,7 +35,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from engine.core.records import record
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, by_arrival
 
 
 def _column(values) -> np.ndarray:
@@ -269,7 +269,7 @@ def merged(rows: DecodeRows, groups: tuple[SequenceGroup, ...]) -> tuple[Sequenc
         return groups
     if not groups:
         return all_groups(rows)
-    return tuple(sorted(all_groups(rows) + groups, key=lambda group: group.arrival))
+    return by_arrival(all_groups(rows) + groups)
 
 
 def tokens_left(rows: DecodeRows) -> dict[int, int]:

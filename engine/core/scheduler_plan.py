@@ -3,7 +3,6 @@
 import collections
 import dataclasses
 import functools
-import operator
 
 from engine.core import admission, block_manager, block_swap, scheduler_ahead
 from engine.core.block_manager import AllocStatus, BlockManagerState
@@ -20,7 +19,7 @@ from engine.core.scheduler_state import (
     SchedulerUsageError,
     without_ids,
 )
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, set_unfinished_status
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus, by_arrival, set_unfinished_status
 
 
 @record
@@ -289,13 +288,6 @@ def _take_in_order(
     return step, ()
 
 
-def _by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
-    return tuple(sorted(groups, key=_ARRIVAL))
-
-
-_ARRIVAL = operator.attrgetter("arrival")
-
-
 def schedule(
     state: SchedulerState, *, admit: bool = True, num_steps: int = 1
 ) -> tuple[SchedulerState, SchedulerOutput]:
@@ -337,10 +329,10 @@ def schedule(
     state = dataclasses.replace(
         state,
         blocks=step.blocks,
-        waiting=_by_arrival(step.to_waiting + waiting),
-        running_groups=_by_arrival(step.running),
+        waiting=by_arrival(step.to_waiting + waiting),
+        running_groups=by_arrival(step.running),
         rows=step.rows,
-        swapped=_by_arrival(swapped + step.to_swapped),
+        swapped=by_arrival(swapped + step.to_swapped),
         finished=step.ignored,
         pending=output,
         pending_rows=step.rows if len(step.rows) else None,

@@ -33,7 +33,7 @@ from engine.core.scheduler_update_general import (
     update_in_general,
     update_records,
 )
-from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.sequence import Sequence, SequenceStatus, by_arrival
 
 __all__ = ["update", "update_in_general"]
 
@@ -115,18 +115,12 @@ def _update_rows(state: SchedulerState, actions: list[Action]) -> SchedulerState
                 return None
             after = dataclasses.replace(after, blocks=end_at_length(end_stopped(after.blocks)))
     rows, finished, running_on = decode_rows.leave(rows, ended)
+    running = by_arrival(after.running_groups + running_on) if running_on else after.running_groups
     after = dataclasses.replace(
-        after, rows=rows, running_groups=_by_arrival(after.running_groups, running_on), pending_rows=None,
+        after, rows=rows, running_groups=running, pending_rows=None,
         finished=state.finished + finished + after.finished[len(state.finished):],
         live_ids=without_ids(after.live_ids, finished))
     return _settle(after) if groups else after
-
-
-def _by_arrival(groups: tuple[SequenceGroup, ...], more: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
-    """`groups` and `more` (each in arrival order) in arrival order."""
-    if not more:
-        return groups
-    return tuple(sorted(groups + more, key=lambda group: group.arrival))
 
 
 def _may_fill(blocks: BlockManagerState, works, size: int) -> bool:

@@ -7,6 +7,7 @@ record made with `dataclasses.replace`; the scheduler owns the transitions betwe
 
 import dataclasses
 import enum
+import operator
 
 from engine.core.records import record
 
@@ -127,3 +128,11 @@ def set_unfinished_status(group: SequenceGroup, status: SequenceStatus) -> Seque
         for seq in group.seqs
     )
     return dataclasses.replace(group, seqs=seqs)
+
+
+_ARRIVAL = operator.attrgetter("arrival")
+
+
+def by_arrival(groups: tuple[SequenceGroup, ...]) -> tuple[SequenceGroup, ...]:
+    """`groups` in arrival order (first come, first served)."""
+    return tuple(sorted(groups, key=_ARRIVAL))
