@@ -24,7 +24,7 @@ from engine.worker import model_runner, sampler, sampling_rows, stages, tensor_p
 from models import llama
 from models.config import from_hf
 from tests.models.tiny_models import llama_shapes
-from tests.pallas_paged.test_accel import gpu_devices
+from tests.pallas_paged.test_accel import cudnn_prompts_for_h100, gpu_devices
 
 pytestmark = pytest.mark.accel
 
@@ -82,14 +82,8 @@ def _use(kernels: str, monkeypatch) -> None:
     """Run ``kernels``: the default ones (Triton), or the Hopper ones turned on (Mosaic GPU for
     paged attention, cuDNN for steps of whole prompts)."""
     if kernels == "hopper":
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
         monkeypatch.setenv("PALLAS_PAGED_GPU_ATTENTION", "mosaic")
-        monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
-        # JAX asks the first GPU for its generation before it lowers cuDNN's packed layout;
-        # a compile-only H100 has no device to ask, so answer for it.
-        monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
-        monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+        cudnn_prompts_for_h100(monkeypatch)
 
 
 def _check_kernels(kernels: str) -> None:

@@ -45,6 +45,17 @@ def gpu_devices(topology: str = "1x1x1"):
                                         target_config=H100_CONFIG_FILE.read_text()).devices
 
 
+def cudnn_prompts_for_h100(monkeypatch):
+    """Turn cuDNN for whole fresh prompts on, for a compile-only H100: JAX asks the first GPU
+    for its generation before it lowers cuDNN's packed layout, and such an H100 has no device
+    to ask, so answer for it."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+    monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+
+
 def compile_for(devices, fn, q_heads, kv_heads, head_dim, block_size, dtype, *, tokens, ragged, seqs=8):
     mesh = jax.sharding.Mesh(devices[:1], ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -100,13 +111,7 @@ def test_mosaic_gpu_kernels_compile_for_h100(monkeypatch, q_heads, kv_heads, hea
 def test_cudnn_for_fresh_prompts_compiles_for_h100(monkeypatch):
     """Ragged attention with the step's own K and V (``new_kv``) and cuDNN chosen for fresh
     prompts: the step's program holds both cuDNN's flash attention and the paged kernel."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    # JAX asks the first GPU for its generation before it lowers the packed layout; a
-    # compile-only H100 has no device to ask, so answer for it.
-    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
-    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
-    monkeypatch.setenv("PALLAS_PAGED_CUDNN_PROMPTS", "1")
+    cudnn_prompts_for_h100(monkeypatch)
     mesh = jax.sharding.Mesh(gpu_devices()[:1], ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
