@@ -11,11 +11,13 @@ step later (``LLMEngine._plan``) rather than drop it: a step of device time for 
 request, against the host's turnaround between two steps for the new ones.
 
 A lookahead is only dispatched when it cannot disagree with the scheduler except by a
-sequence stopping at N (a stop token, EOS, an abort): a decode-only step, nothing waiting or
-swapped out (no admissions), no sequence at its length limit, every next token's slot already
-in its block table (in its last token's block, or in the next block, which the scheduler
-reserves a step early: ``SchedulerConfig.reserve_next_block``; so no allocation, preemption
-or copy-on-write), and no sampling input that depends on the token still on the device in a
+sequence stopping at N (a stop token, EOS, an abort): a decode-only step, no admissions at
+N+1 (nothing waits or is swapped out, or step N admitted all that fit, so that the rest waits
+until a sequence ends: ``SchedulerState.queue_settled``, which is most steps of a server
+under load), no sequence at its length limit, every next token's slot already in its block
+table (in its last token's block, or in the next block, which the scheduler reserves a step
+early: ``SchedulerConfig.reserve_next_block``; so no allocation, preemption or
+copy-on-write), and no sampling input that depends on the token still on the device in a
 way only the host can follow (bad words, a constraint, ``min_tokens`` still to reach) or on
 the host's choices (beam search). Penalties count it: the lookahead's sampling parameters
 write it into the tokens they count, on the device (``sampling_rows.next_batch``), while
@@ -121,7 +123,7 @@ def eligible(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestSta
              block_size: int) -> bool:
     """Whether the step after ``works`` (this step's scheduled work) can be dispatched now (see
     the module's docstring); ``state`` is the scheduler's after this step's ``schedule``."""
-    if state.waiting or state.swapped or not works:
+    if not state.queue_settled or not works:
         return False
     planned, others = scheduled_rows.rows_of(works)
     if planned is not None and not _rows_eligible(planned, requests, block_size):

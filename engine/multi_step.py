@@ -132,11 +132,11 @@ def next_works(works: Sequence[ScheduledGroupWork], requests: dict[str, RequestS
                num_steps: int) -> tuple[ScheduledGroupWork, ...] | None:
     """The loop after the multi-step decode ``works`` (of ``num_steps`` each) as the scheduler
     will plan it unless a sequence stops (placeholder tokens, the same block tables), or None
-    when it cannot be dispatched now: something waits or is swapped out (the scheduler would
-    admit it), a sequence ends within this loop or runs fewer steps, its sampling depends on
-    this loop's tokens, or the next loop's slots are not all in its table yet. ``state`` is
-    the scheduler's after planning ``works``."""
-    if state.waiting or state.swapped:
+    when it cannot be dispatched now: the scheduler may admit or swap in a group
+    (``SchedulerState.queue_settled``), a sequence ends within this loop or runs fewer steps,
+    its sampling depends on this loop's tokens, or the next loop's slots are not all in its
+    table yet. ``state`` is the scheduler's after planning ``works``."""
+    if not state.queue_settled:
         return None
     size, max_model_len, following = state.config.block_manager.block_size, state.config.max_model_len, []
     planned = scheduled_rows.rows_alone(works)

@@ -58,7 +58,7 @@ def reserve_steps(
     tokens each (within the sequence's `max_tokens` and `max_model_len`), with the blocks
     their slots need; None when the pool cannot give them all. `tokens_left()` gives, per
     sequence of the works not held as the rows' columns, the tokens it may still generate.
-    `ahead` (`SchedulerConfig.reserve_next_block`, nothing waiting): also the slots of the
+    `ahead` (`SchedulerConfig.reserve_next_block`, the queue tried): also the slots of the
     loop after, when the pool has them all, so that the engine can dispatch that loop before
     this one's tokens are known."""
     row_works, others = scheduled_rows.rows_of(works)

@@ -304,11 +304,12 @@ def schedule(
     config = state.config
     step = _schedule_running(state)
     swapped, waiting = state.swapped, state.waiting
-    if admit and not step.preempted:
+    queue_tried = admit and not step.preempted
+    if queue_tried:
         step, swapped = _take_in_order(step, swapped, config, admission.swap_in_status, _swap_in)
         if not swapped and (config.policy == "fcfs" or not (step.running or len(step.rows))):
             step, waiting = _take_in_order(step, waiting, config, admission.admission_status, _admit)
-    ahead = config.reserve_next_block and not (swapped or waiting)
+    ahead = config.reserve_next_block and (queue_tried or not (swapped or waiting))
     reserved = None
     works = step.work if step.row_works is None else PlannedWorks(step.row_works, step.work)
     left = functools.partial(tokens_left, step.rows, step.running)  # read only where the columns do not say
@@ -325,6 +326,7 @@ def schedule(
         blocks_to_copy=step.copies,
         preempted=step.preempted,
         ignored=tuple((group.request_id, group.ignored_reason) for group in step.ignored),
+        queue_tried=queue_tried,
     )
     state = dataclasses.replace(
         state,

@@ -37,8 +37,10 @@ class SchedulerConfig:
     finish (FasterTransformer-style); "fcfs" is continuous batching.
     With `reserve_next_block` (the engine's async scheduling), a decoding sequence of a group
     that does not fork (`SequenceGroup.may_fork`: not beam search) whose next token will open a
-    block gets that block one step early, when nothing waits and a block is free or evictable
-    (the least recently released cached block, as the next step would evict): the step after
+    block gets that block one step early, when the step admits whatever waits and fits (so
+    nothing waiting enters the step after unless a sequence ends or a request arrives:
+    `SchedulerOutput.queue_tried`) and a block is free or evictable (the least recently
+    released cached block, as the next step would evict): the step after
     can then be dispatched before this one's tokens are known (`engine.async_scheduling`),
     across block boundaries too. Unless the sequence stops at this step (a stop token), the
     block would be taken at the next step anyway, before any admission: it costs one empty
@@ -119,7 +121,13 @@ class ScheduledGroupWork:
 
 @record
 class SchedulerOutput:
-    """One step's plan. Apply swap_out, then swap_in, then copy, then run `scheduled`."""
+    """One step's plan. Apply swap_out, then swap_in, then copy, then run `scheduled`.
+
+    `queue_tried`: the step swapped in and admitted every group it could (it was asked to
+    admit, and preempted none), so a group still waiting or swapped out does not fit now. If
+    the step only decodes, the next one admits none either unless a running sequence ends or
+    is aborted, or a request arrives: without them, free blocks only shrink, and the seats
+    and the token budget stay taken (`SchedulerState.queue_settled`)."""
 
     scheduled: tuple[ScheduledGroupWork, ...] = ()
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
@@ -127,6 +135,7 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     preempted: tuple[str, ...] = ()
     ignored: tuple[tuple[str, str], ...] = ()
+    queue_tried: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -283,6 +292,14 @@ class SchedulerState:
     def num_running(self) -> int:
         """Running groups, rows included."""
         return decode_rows.num_groups(self.rows) + len(self.running_groups)
+
+    @property
+    def queue_settled(self) -> bool:
+        """Whether, if the pending step (planned, not yet recorded) only decodes, the step
+        after it admits and swaps in nothing unless a running sequence ends or is aborted, or
+        a request arrives: nothing waits or is swapped out, or the pending step tried them
+        all (`SchedulerOutput.queue_tried`)."""
+        return not (self.waiting or self.swapped) or (self.pending is not None and self.pending.queue_tried)
 
     def without_rows(self) -> "SchedulerState":
         """This state with every running group a record (none held as a row)."""

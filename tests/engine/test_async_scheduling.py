@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.core.scheduler import ScheduledGroupWork
 from engine.worker import sampling_rows
-from tests.engine.tiny import ENGINE, prompts, tiny_llm
+from tests.engine.tiny import ENGINE, generate_queued, prompts, tiny_llm
 
 
 @pytest.fixture(scope="module")
@@ -217,21 +217,47 @@ _PARAMS = st.builds(
 )
 
 
+@pytest.fixture(scope="module")
+def seated_llms(llms, tmp_path_factory):
+    """(async LLM, sync LLM, vocabulary size) running two sequences at once: arrivals queue."""
+    directory = tmp_path_factory.mktemp("tiny_seated")
+    on, config = tiny_llm("llama_gqa_tied", directory, max_num_seqs=2)
+    off = LLM(str(directory), **{**ENGINE, "max_num_seqs": 2, "async_scheduling": False})
+    return on, off, config.vocab_size
+
+
+_ARRIVALS = st.lists(st.tuples(st.integers(0, 12), _PARAMS), min_size=1, max_size=6)
+_ABORTS = st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), max_size=3)
+
+
 @settings(max_examples=40, deadline=None)  # about 20 s; 15 once let a block-layout-dependent overwrite through
-@given(arrivals=st.lists(st.tuples(st.integers(0, 12), _PARAMS), min_size=1, max_size=6),
-       aborts=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), max_size=3), seed=st.integers(0, 99))
+@given(arrivals=_ARRIVALS, aborts=_ABORTS, seed=st.integers(0, 99))
 def test_any_arrivals_and_aborts_give_the_synchronous_outputs(llms, arrivals, aborts, seed):
     """Requests of random kinds arriving at random steps, some aborted later: every request's
     last output is the synchronous engine's."""
-    on, off, vocab = llms
-    batch = prompts(len(arrivals), vocab, seed=seed)
+    _agree(*llms[:2], _events(arrivals, aborts, prompts(len(arrivals), llms[2], seed=seed)))
+
+
+@settings(max_examples=15, deadline=None)  # about 25 s
+@given(arrivals=_ARRIVALS, aborts=_ABORTS, seed=st.integers(0, 99))
+def test_any_arrivals_and_aborts_queued_for_seats_give_the_synchronous_outputs(seated_llms, arrivals, aborts, seed):
+    """The same with two seats: most arrivals wait for one, while lookaheads run."""
+    on, off, vocab = seated_llms
+    _agree(on, off, _events(arrivals, aborts, prompts(len(arrivals), vocab, seed=seed)))
+    for llm in (on, off):
+        stats = llm.cache_stats()
+        assert stats.device_blocks_free == stats.device_blocks_total
+
+
+def _events(arrivals, aborts, batch) -> dict[int, list]:
+    """`_drive`'s events: request i added at its arrival step, aborted ``delay`` steps after."""
     events: dict[int, list] = {}
     for i, ((step, params), prompt) in enumerate(zip(arrivals, batch)):
         events.setdefault(step, []).append(("add", f"r{i}", prompt, params))
     for index, delay in aborts:
         if index < len(arrivals):
             events.setdefault(arrivals[index][0] + delay, []).append(("abort", f"r{index}"))
-    _agree(on, off, events)
+    return events
 
 
 def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
@@ -243,6 +269,23 @@ def test_preemption_and_recompute_give_the_same_outputs(tmp_path):
     ours = on.generate(batch, params, use_tqdm=False)
     assert [_seen(o) for o in ours] == [_seen(o) for o in off.generate(batch, params, use_tqdm=False)]
     assert on.engine.state.num_preemptions > 0 and on.engine.counters.lookahead_steps > 0
+
+
+@pytest.mark.parametrize("queued_for", ["seats", "blocks"])
+def test_requests_queued_behind_a_full_batch_leave_the_lookaheads_on(tmp_path, queued_for):
+    """More requests than the engine runs at once: while the rest wait for a seat (or for
+    blocks, here with preemption too), the running decodes still come from lookaheads, since
+    no admission can follow until a sequence ends. The outputs are the synchronous engine's."""
+    limit = dict(max_num_seqs=3) if queued_for == "seats" else dict(num_blocks=24, max_num_seqs=8)
+    on, config = tiny_llm("llama_gqa_tied", tmp_path, **limit)
+    off = LLM(str(tmp_path), **{**ENGINE, **limit, "async_scheduling": False})
+    params = _mixed_params(config.vocab_size) + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    batch = prompts(len(params), config.vocab_size, seed=23)
+    ours, taken = generate_queued(on, batch, params)
+    assert [_seen(o) for o in ours] == [_seen(o) for o in generate_queued(off, batch, params)[0]]
+    assert taken >= 10  # of the steps in which requests waited (none before the queue counted)
+    stats = on.cache_stats()
+    assert stats.device_blocks_free == stats.device_blocks_total and stats.host_blocks_free == stats.host_blocks_total
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.tiny import ENGINE, prompts, tiny_llm
+from tests.engine.tiny import ENGINE, generate_queued, prompts, tiny_llm
 
 STEPS = 8
 
@@ -139,6 +139,21 @@ def test_preempted_sequences_resume_with_the_same_output(llms, mode):
     assert small.cache_stats().num_preemptions > 0, "the pool was meant to be too small"
     assert small.engine.counters.multi_steps > 0
     assert_no_block_held(small)
+
+
+def test_requests_queued_for_a_seat_leave_loops_dispatched_ahead(llms):
+    """More requests than seats: while the rest wait, each loop is still dispatched while the
+    one before runs (no admission can follow until a sequence ends); the outputs are those of
+    single steps with as many seats."""
+    _, _, directory, vocab = llms
+    seats = dict(ENGINE, max_num_seqs=4)  # n=4 needs four
+    single, multi = (LLM(str(directory), **seats, num_scheduler_steps=steps) for steps in (1, STEPS))
+    params = every_kind(vocab)
+    batch = prompts(len(params), vocab, seed=14)
+    outputs, taken = generate_queued(multi, batch, params)
+    assert_same_outputs(outputs, generate_queued(single, batch, params)[0])
+    assert taken >= 3  # none before the queue counted
+    assert_no_block_held(multi)
 
 
 def _run(llm: LLM, arrivals: dict[int, list], aborts: dict[int, str] | None = None) -> dict:

@@ -74,11 +74,12 @@ def requests_added(state, requests):
     return state
 
 
-def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
+def test_a_decode_reserves_the_block_of_its_next_token_unless_an_admission_may_follow():
     """With ``reserve_next_block`` (async scheduling) each decode's table holds its next
-    token's slot: a block is taken a step early when that token opens it, unless requests
-    wait or the sequence samples its last token. The outputs are those without, and every
-    block comes back."""
+    token's slot: a block is taken a step early when that token opens it, unless the sequence
+    samples its last token, or requests wait that the step did not try to admit (the engine
+    defers arrivals: ``admit=False``). Requests that wait for a seat do not stop it: the step
+    tried them (``queue_tried``). The outputs are those without, and every block comes back."""
     requests = [(0, "a", (1, 2, 3, 4, 5), 1, 9)]
     config = make_config(block_size=4, reserve_next_block=True)
     state = requests_added(scheduler.initial_state(config), requests)
@@ -98,12 +99,15 @@ def test_a_decode_reserves_the_block_of_its_next_token_while_nothing_waits():
         last = scheduler.update(last, append_ones(out))
     assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # its last token
 
-    waiting = requests_added(scheduler.initial_state(dataclasses.replace(config, max_num_seqs=1)),
-                             requests + [(0, "b", (1, 2), 1, 3)])
-    for _ in range(4):
-        waiting, out = scheduler.schedule(waiting)
-        waiting = scheduler.update(waiting, append_ones(out))
-    assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 2)]  # "b" waits
+    for seats, admit, reserved in ((1, True, True), (2, False, False)):
+        waiting = requests_added(scheduler.initial_state(dataclasses.replace(config, max_num_seqs=seats)), requests)
+        for _ in range(3):
+            waiting, out = scheduler.schedule(waiting)
+            waiting = scheduler.update(waiting, append_ones(out))
+        waiting, out = scheduler.schedule(requests_added(waiting, [(0, "b", (1, 2), 1, 3)]), admit=admit)
+        assert [group.request_id for group in waiting.waiting] == ["b"]  # no seat, or not tried
+        assert out.queue_tried is admit and waiting.queue_settled is admit
+        assert [(work.context_len, len(work.block_table)) for work in out.scheduled] == [(8, 3 if reserved else 2)]
 
 
 def test_parallel_samples_reserve_their_next_blocks_and_beams_do_not():

@@ -219,6 +219,31 @@ def check_plan(
             assert block_manager.block_table(after.blocks, seq_id)[: len(work.block_table)] == work.block_table
 
 
+def check_queue_stays(planned: scheduler.SchedulerState, out: scheduler.SchedulerOutput, actions: list,
+                      updated: scheduler.SchedulerState) -> None:
+    """What async scheduling's lookaheads rest on (`SchedulerState.queue_settled`): after a
+    step of decodes only that tried the queue (`queue_tried`), in which no sequence ended, the
+    next step admits and swaps in nothing (no request arriving between them). ``planned``:
+    the state after the step's schedule, ``updated`` after its update."""
+    decodes_only = out.scheduled and not (
+        out.blocks_to_swap_in or out.blocks_to_swap_out or out.preempted or out.ignored
+        or any(work.is_prefill for work in out.scheduled))
+    ended = any(isinstance(action, (scheduler.Finish, scheduler.Drop, scheduler.Fork)) for action in actions) or (
+        _running_seqs(updated) != _running_seqs(planned))  # or at max_tokens
+    if ended or not (out.queue_tried and decodes_only and (updated.waiting or updated.swapped)):
+        return
+    event("a step after one that tried the queue")
+    assert planned.queue_settled
+    after, following = scheduler.schedule(updated)
+    assert not following.blocks_to_swap_in
+    assert {g.request_id for g in updated.waiting} <= {g.request_id for g in after.waiting}
+    assert {g.request_id for g in updated.swapped} <= {g.request_id for g in after.swapped}
+
+
+def _running_seqs(state: scheduler.SchedulerState) -> int:
+    return sum(len(group.unfinished_seqs) for group in state.running)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / schedule + update / abort sequences; replayed at the end for equality."""
 
@@ -315,6 +340,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("a group's sequence stopped: the group left the rows")
         if scheduler_update._fits_one_token_each(state.without_rows(), actions):
             event("one token each")
+        if aborted is None:
+            check_queue_stays(state, out, actions, updated)
         self._record(("step", admit, num_steps, aborted, tuple(actions)), updated)
         if self.state.blocks.prefix_cache.num_hits:
             event("prefix hit")

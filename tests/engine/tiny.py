@@ -59,3 +59,17 @@ def assert_greedy_batch_matches(llm, hf, count: int = 16, max_tokens: int = 12) 
     for prompt, output in zip(batch, outputs):
         completion = output.outputs[0]
         assert_same_or_close(list(completion.token_ids), list(completion.logprobs), *hf_greedy(hf, prompt, max_tokens))
+
+
+def generate_queued(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> tuple[list, int]:
+    """Every request of ``batch`` added at once and stepped to its end (as ``LLM.generate``):
+    the outputs in order, and the steps taken from a lookahead (``engine.async_scheduling``)
+    while some request was still waiting to enter."""
+    engine, finals, taken = llm.engine, {}, 0
+    for i, (prompt, p) in enumerate(zip(batch, params)):
+        engine.add_request(f"queued-{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        before, waited = engine.counters.lookahead_steps, bool(engine.state.waiting)
+        finals.update((output.request_id, output) for output in engine.step())
+        taken += waited * (engine.counters.lookahead_steps - before)
+    return [finals[f"queued-{i}"] for i in range(len(batch))], taken
