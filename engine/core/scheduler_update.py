@@ -162,12 +162,13 @@ def _rows_tokens(row_seq_ids: np.ndarray, row_steps: list[int], actions: list[Ac
     """From the actions on the rows of `row_seq_ids` (in that order, the records' anywhere
     between them), with `row_steps` the steps of the rows' works: each row's new tokens, in
     order (or an `AppendEach` of every row, first, within their steps), and the rows that
-    stopped (with the Finish's status); and the other actions. None for the tokens when a row
-    gets none, or an action on a row is out of that order."""
+    stopped (with the Finish's status); and the other actions. An `AppendEach` that starts
+    with every row may go on with the record groups' sequences (`_rows_first`). None for the
+    tokens when a row gets none, or an action on a row is out of that order."""
     seq_ids = row_seq_ids.tolist()
-    if (actions and type(actions[0]) is AppendEach and np.array_equal(actions[0].seq_ids, row_seq_ids)
-            and _fits_steps(actions[0], row_steps)):
-        return _rows_ends(seq_ids, actions[0], actions[1:])
+    split = _rows_first(actions[0], row_seq_ids) if actions and type(actions[0]) is AppendEach else None
+    if split is not None and _fits_steps(split[0], row_steps):
+        return _rows_ends(seq_ids, split[0], split[1] + actions[1:])
     new, ended, count, others, ids = [], {}, len(seq_ids), [], None
     for action in expanded(actions):
         kind, row = type(action), len(new)
@@ -202,6 +203,20 @@ def _appended(rows, new: list[tuple[int, ...]] | AppendEach, tables):
     if new.counts is None:
         return decode_rows.appended(rows, new.token_ids, tables)
     return decode_rows.appended_many(rows, new.token_ids, new.counts, tables)
+
+
+def _rows_first(each: AppendEach, row_seq_ids: np.ndarray) -> tuple[AppendEach, list[Action]] | None:
+    """`each` as an `AppendEach` of the rows and the Appends (or AppendManys) of the sequences
+    after them (the record groups' that sampled in the step: the output processor gives one
+    `AppendEach` of every plain sequence, the rows' first); None unless it starts with the rows."""
+    n, ids = len(row_seq_ids), each.seq_ids
+    if len(ids) < n or not np.array_equal(ids[:n], row_seq_ids):
+        return None
+    if len(ids) == n:
+        return each, []
+    counts = (None, None) if each.counts is None else (each.counts[:n], each.counts[n:])
+    rest = AppendEach(ids[n:], each.token_ids[n:], counts[1])
+    return AppendEach(ids[:n], each.token_ids[:n], counts[0]), rest.appends()
 
 
 def _rows_ends(seq_ids: list[int], tokens: AppendEach, actions: list[Action]

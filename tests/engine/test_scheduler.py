@@ -353,3 +353,26 @@ def test_a_group_leaving_the_rows_runs_on_before_newer_records():
     updated = scheduler.update(state, actions)
     assert [group.request_id for group in updated.running_groups] == ["p", "q"] and not len(updated.rows)
     assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
+
+
+def test_one_append_each_of_the_rows_and_a_prefills_first_tokens_takes_the_rows_update():
+    """The output processor records a step of decode rows and a newer request's prefill as one
+    AppendEach of every sequence (the rows' first), a Finish after it for a row that stopped:
+    the rows' update takes it (not the general path, which remakes every row as a record, a
+    cost that grew with the batch in every step that admits a request), with the same state."""
+    state = scheduler.initial_state(make_config(block_size=4))
+    for name in ("a", "b", "c"):
+        state = scheduler.add_request(state, name, (1, 2, 3), max_tokens=20)
+    state, out = scheduler.schedule(state)
+    state = scheduler.update(state, append_ones(out))
+    state = scheduler.add_request(state, "new", (4, 5, 6, 7, 1), max_tokens=20, num_seqs=2)
+    state, out = scheduler.schedule(state)
+    assert len(state.rows) == 3 and [group.request_id for group in state.running_groups] == ["new"]
+    seq_ids = [seq_id for work in out.scheduled for seq_id in work.seq_ids]
+    actions = [scheduler.AppendEach(np.array(seq_ids, np.int64), np.arange(5, 5 + len(seq_ids), dtype=np.int64)),
+               scheduler.Finish(seq_ids[1], SequenceStatus.FINISHED_STOPPED)]
+    assert scheduler_update._update_rows(state, actions) is not None, "the rows' update took this step"
+    updated = scheduler.update(state, actions)
+    assert updated.without_rows() == scheduler_update.update_in_general(state, actions)
+    assert [scheduler.find_group(updated, name).seqs[0].output_token_ids for name in ("a", "c")] == [(1, 5), (1, 7)]
+    assert [seq.output_token_ids for seq in scheduler.find_group(updated, "new").seqs] == [(8,), (9,)]
