@@ -122,6 +122,7 @@ bench: install
 	$(PY) -m benchmarks.throughput chat
 	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.host_overhead
+	$(PY) -m benchmarks.queued
 	$(PY) -m benchmarks.server_loop
 	$(PY) -m benchmarks.engine_process
 	$(PY) -m benchmarks.throughput traces
@@ -137,6 +138,7 @@ bench-quick: install
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.startup --quick
 	$(PY) -m benchmarks.host_overhead --quick
+	$(PY) -m benchmarks.queued --quick
 	$(PY) -m benchmarks.server_loop --quick
 	$(PY) -m benchmarks.engine_process --quick
 	$(PY) -m benchmarks.throughput traces --quick
