@@ -20,7 +20,7 @@ import numpy as np
 import models
 from engine import async_scheduling, input_checks, multi_step, stats_logger, structured_output
 from engine.config import EngineConfig
-from engine.core import scheduler
+from engine.core import scheduled_rows, scheduler
 from engine.core.scheduler import InvalidRequestError
 from engine.inputs import PromptType, prompt_input
 from engine.output_processor import OutputProcessor
@@ -317,16 +317,16 @@ class LLMEngine:
         logits_tokens, rows, prompt_rows = sampling_rows.logits_plan(works, self.requests)
         argmax_only = not prompt_rows and sampling_rows.argmax_suffices(rows)
         inputs = self.runner.prepare(works, logits_tokens, argmax_only=argmax_only)
-        for work in works:
-            if work.is_prefill:
-                self.requests[work.request_id].note_computed_prefix(work.start)
+        prefills = [work for work in scheduled_rows.rows_of(works)[1] if work.is_prefill]  # never the rows'
+        for work in prefills:
+            self.requests[work.request_id].note_computed_prefix(work.start)
         out, self.cache.kv_caches = self.runner.run(inputs, self.cache.kv_caches)
-        self.counters.prompt_tokens += sum(len(w.token_ids) for w in works if w.is_prefill)
+        self.counters.prompt_tokens += sum(len(w.token_ids) for w in prefills)
         if prompt_rows:
             self._output_processor.record_prompt_logprobs(out.logits, prompt_rows)
         if not rows:
             return None
-        tables = tuple(work.block_table for work in works)
+        tables = async_scheduling.block_tables(works)
         if argmax_only and out.argmax is not None and [row.logits_row for row in rows] == list(range(len(rows))):
             # The decode program took each row's arg-max already: no sampler program to wait on.
             return async_scheduling.InFlightStep(tuple(rows), sampling_rows.model_argmax(out.argmax), inputs, None,

@@ -141,6 +141,25 @@ class RequestState:
         return not self.is_beam_search and not self.steered_by_each_token
 
     @functools.cached_property
+    def samples_greedily(self) -> bool:
+        """Whether each token this request samples is the arg-max of the model's logits while
+        nothing is banned (:meth:`banned_tokens`): greedy, without penalties, logit biases,
+        allowed tokens or a constraint, and without log-probabilities; not beam search."""
+        p = self.params
+        return (isinstance(p, SamplingParams) and p.greedy and not self.tracks_logprob
+                and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+                and not p.logit_bias and not len(p.allowed_array) and p.guided_decoding is None)
+
+    def bans_any(self, seq_id: int) -> bool:
+        """Whether :meth:`banned_tokens` of ``seq_id`` holds any token (not built when neither
+        bad words nor ``min_tokens`` can ban one: most sequences)."""
+        if self.is_beam_search:
+            return False
+        if not self.bad_word_ids and len(self.seqs[seq_id].token_ids) >= self.params.min_tokens:
+            return False
+        return bool(self.banned_tokens(seq_id))
+
+    @functools.cached_property
     def static_sampling_from(self) -> int:
         """Generated tokens from which a sequence's sampling no longer depends on the token
         before: ``min_tokens``, or a count no sequence reaches unless :attr:`sampling_is_static`."""

@@ -139,6 +139,19 @@ def _decode_columns(works: Sequence[ScheduledGroupWork]) -> tuple[Sequence[tuple
             [work.start for work in works])
 
 
+def _fill_rows(planned: scheduled_rows.ScheduledRows, block_tables: np.ndarray, input_ids: np.ndarray,
+               positions: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray) -> int:
+    """Write the rows' decodes (the first works of a step with others after them: a token
+    each, from their columns) into the first rows and tokens of a step's arrays
+    (:meth:`ModelRunner.prepare`'s); returns their number."""
+    n = len(planned)
+    _fill_tables(block_tables, planned.tables)
+    input_ids[:n], positions[:n] = planned.rows.last_tokens, planned.starts
+    context_lens[:n] = planned.starts + 1
+    query_start_loc[1:] = np.minimum(np.arange(1, len(query_start_loc)), n)
+    return n
+
+
 def _slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The KV-cache slot of each position (int [T]) of sequence ``rows[i]``, through its row of
     ``block_tables`` (int32 [rows, max_blocks])."""
@@ -214,9 +227,11 @@ class ModelRunner:
             context_lens[:n] = positions[:n] + 1
             query_start_loc[1:] = np.minimum(np.arange(1, num_rows + 1), n)
         else:
-            _fill_tables(block_tables, [work.block_table for work in works])
-            cursor = 0
-            for row, work in enumerate(works):
+            planned, others = scheduled_rows.rows_of(works)
+            cursor = 0 if planned is None else _fill_rows(planned, block_tables, input_ids, positions, context_lens,
+                                                           query_start_loc)
+            _fill_tables(block_tables[cursor:], [work.block_table for work in others])
+            for row, work in enumerate(others, start=cursor):
                 n = len(work.token_ids)
                 span = slice(cursor, cursor + n)
                 input_ids[span] = work.token_ids

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from engine import structured_output
+from engine.core import scheduled_rows
 from engine.core.records import record
 from engine.core.scheduler import ScheduledGroupWork
 from engine.request_state import RequestState
@@ -48,6 +49,14 @@ def logits_plan(works: Sequence[ScheduledGroupWork], requests: dict[str, Request
     of prefills whose request wants prompt log-probabilities (``(request, work, first logits
     row)`` each)."""
     logits_tokens, rows, prompt_rows, cursor = [], [], [], 0
+    planned, works = scheduled_rows.rows_of(works)
+    if planned is not None:  # the rows' decodes, from their columns: a token each, sampled
+        for request_id, seq_id in zip(planned.rows.request_ids, planned.rows.seq_ids.tolist()):
+            request = requests.get(request_id)
+            if request is not None:
+                logits_tokens.append(cursor)
+                rows.append(Row(len(logits_tokens) - 1, request, seq_id))
+            cursor += 1
     for work in works:
         request = requests.get(work.request_id)
         n = len(work.token_ids)
@@ -149,11 +158,8 @@ def argmax_suffices(rows: list[Row]) -> bool:
 
 
 def _argmax_suffices(row: Row) -> bool:
-    request, p = row.request, row.request.params
-    return (isinstance(p, SamplingParams) and p.greedy and not request.tracks_logprob
-            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-            and not p.logit_bias and not len(p.allowed_array) and not request.banned_tokens(row.seq_id)
-            and p.guided_decoding is None)
+    request = row.request
+    return request.samples_greedily and not request.bans_any(row.seq_id)
 
 
 def sample_rows(logits, rows: list[Row], pad_to: int = 1) -> SamplerOutput:

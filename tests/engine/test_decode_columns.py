@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams, async_scheduling, multi_step, plain_rows
-from engine.core import decode_rows, scheduler
+from engine.core import decode_rows, scheduled_rows, scheduler
 from engine.core.scheduled_rows import PlannedWorks
+from engine.worker import sampling_rows
 from engine.sampling_params import RequestOutputKind
 from tests.engine.tiny import ENGINE, prompts, tiny_llm
 
@@ -123,6 +126,42 @@ def test_the_rows_columns_answer_as_their_records(llm, monkeypatch):
     _run(llm, _workload(vocab, "b"))
     assert asked["eligible"] > 10 and asked["computed"] > 10
     assert llm.engine.counters.lookahead_steps > before + 10
+
+
+def test_steps_of_rows_and_prompts_are_prepared_from_the_columns_as_from_records(llm, monkeypatch):
+    """A step of the rows' decodes and of newly admitted prompts: its logits plan and its
+    model inputs from the rows' columns are those of the same works as records."""
+    vocab, runner = llm.engine.model_config.vocab_size, llm.engine.runner
+    asked = {"plan": 0, "prepare": 0}
+    plan, prepare = sampling_rows.logits_plan, runner.prepare
+
+    def mixed(works) -> bool:
+        planned, others = scheduled_rows.rows_of(works)
+        return planned is not None and any(work.is_prefill for work in others)
+
+    def checked_plan(works, requests):
+        tokens, rows, prompt_rows = answer = plan(works, requests)
+        if mixed(works):
+            asked["plan"] += 1
+            as_records = plan(tuple(works), requests)
+            assert (tokens, prompt_rows) == (as_records[0], as_records[2])
+            assert [(r.logits_row, r.request, r.seq_id) for r in rows] == [
+                (r.logits_row, r.request, r.seq_id) for r in as_records[1]]
+        return answer
+
+    def checked_prepare(works, logits_tokens, **options):
+        inputs = prepare(works, logits_tokens, **options)
+        if mixed(works):
+            asked["prepare"] += 1
+            expected = prepare(tuple(works), logits_tokens, **options)
+            assert jax.tree.structure(inputs) == jax.tree.structure(expected)
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(inputs), jax.tree.leaves(expected)))
+        return inputs
+
+    monkeypatch.setattr(sampling_rows, "logits_plan", checked_plan)
+    monkeypatch.setattr(runner, "prepare", checked_prepare)
+    _run(llm, _workload(vocab, "m"))
+    assert asked["plan"] >= 2 and asked["prepare"] >= 2
 
 
 def test_plain_rows_record_a_loops_tokens_as_the_per_row_path(llm, multi, monkeypatch):
