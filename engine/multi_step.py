@@ -29,7 +29,8 @@ one ``AppendEach`` of every row's kept tokens).
 With async scheduling (``engine.async_scheduling``), the loop after this one is dispatched
 before this one's tokens reach the host (:func:`next_works`, :func:`dispatch_next`), its
 input tokens this loop's last ones on the device, so that the host records a loop while the
-device runs the next: when nothing waits, the scheduler reserves the slots of both loops, and
+device runs the next: when no admission can follow (``SchedulerState.queue_settled``), the
+scheduler reserves the slots of both loops, and
 the lookahead is taken when the next plan is exactly its work (no sequence stopped), as for
 single steps. Its penalties count this loop's tokens, written into their history on the device
 (``sampling_rows.next_batch``).

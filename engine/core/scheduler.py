@@ -41,7 +41,8 @@ the slots of its next `num_steps` tokens (fewer near `max_tokens` or `max_model_
 engine samples them all on the device, and `update` gets one `AppendMany` per sequence with the
 tokens it keeps (up to its stop), or one `AppendEach` of them all. The rows' works stay columns
 (`ScheduledRows.steps` counts each one's steps). When a reservation does not fit, the plan is one step. With
-`reserve_next_block` and nothing waiting, the slots of the loop after it are reserved too when
+`reserve_next_block` and nothing waiting that could enter (`SchedulerOutput.queue_tried`), the slots
+of the loop after it are reserved too when
 they fit, so that the engine can dispatch that loop before this one's tokens are known.
 
 Prefill of a group whose sequences differ (a multi-sequence group preempted by recompute) runs

@@ -15,8 +15,8 @@ import pytest
 from engine import LLM, SamplingParams, async_scheduling, multi_step, plain_rows
 from engine.core import decode_rows, scheduled_rows, scheduler
 from engine.core.scheduled_rows import PlannedWorks
-from engine.worker import sampling_rows
 from engine.sampling_params import RequestOutputKind
+from engine.worker import sampling_rows
 from tests.engine.tiny import ENGINE, prompts, tiny_llm
 
 STEPS = 8
