@@ -218,7 +218,7 @@ _PARAMS = st.builds(
 
 
 @pytest.fixture(scope="module")
-def seated_llms(llms, tmp_path_factory):
+def seated_llms(tmp_path_factory):
     """(async LLM, sync LLM, vocabulary size) running two sequences at once: arrivals queue."""
     directory = tmp_path_factory.mktemp("tiny_seated")
     on, config = tiny_llm("llama_gqa_tied", directory, max_num_seqs=2)
@@ -238,7 +238,7 @@ def test_any_arrivals_and_aborts_give_the_synchronous_outputs(llms, arrivals, ab
     _agree(*llms[:2], _events(arrivals, aborts, prompts(len(arrivals), llms[2], seed=seed)))
 
 
-@settings(max_examples=15, deadline=None)  # about 25 s
+@settings(max_examples=8, deadline=None)  # about 10 s
 @given(arrivals=_ARRIVALS, aborts=_ABORTS, seed=st.integers(0, 99))
 def test_any_arrivals_and_aborts_queued_for_seats_give_the_synchronous_outputs(seated_llms, arrivals, aborts, seed):
     """The same with two seats: most arrivals wait for one, while lookaheads run."""
