@@ -25,8 +25,9 @@ import numpy as np
 
 from engine.core.records import record as frozen_record
 from engine.core.scheduler import AppendEach, Finish, SequenceStatus
-from engine.request_state import RequestState, SeqProgress
+from engine.request_state import RequestState
 from engine.sampling_params import RequestOutputKind
+from engine.seq_progress import SeqProgress
 
 
 @frozen_record(eq=False)

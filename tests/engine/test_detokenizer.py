@@ -17,8 +17,9 @@ from engine.detokenizer import (
     stream_next,
 )
 from engine.outputs import token_logprobs
-from engine.request_state import RequestState, SeqProgress
+from engine.request_state import RequestState
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.seq_progress import SeqProgress
 
 
 @pytest.fixture(scope="module")

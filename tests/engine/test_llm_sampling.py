@@ -12,7 +12,8 @@ import scipy.stats
 
 from engine import BeamSearchParams, Logprob, SamplingParams
 from engine.config import EngineConfig
-from engine.request_state import RequestState, SeqProgress
+from engine.request_state import RequestState
+from engine.seq_progress import SeqProgress
 from engine.worker import sampling_rows
 from tests.engine.tiny import prompts, tiny_llm
 from tests.hf_torch import load_hf_model, next_token_logprobs, require_torch

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams, plain_rows
-from engine.request_state import RequestState, SeqProgress
+from engine.request_state import RequestState
+from engine.seq_progress import SeqProgress
 from tests.engine.test_llm_parity import COMMON, CONFIGS
 from tests.hf_torch import require_torch
 
