@@ -108,20 +108,27 @@ def _decode_columns(works: Sequence[ScheduledGroupWork]) -> tuple[Sequence[tuple
     columns when the works are those alone (``engine.core.scheduled_rows``)."""
     planned = scheduled_rows.rows_alone(works)
     if planned is not None:
-        return planned.tables, planned.rows.last_tokens, planned.starts
+        return _row_columns(planned)
     return ([work.block_table for work in works], [work.token_ids[0] for work in works],
             [work.start for work in works])
 
 
-def _fill_rows(planned: scheduled_rows.ScheduledRows, block_tables: np.ndarray, input_ids: np.ndarray,
-               positions: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray) -> int:
-    """Write the rows' decodes (the first works of a step with others after them: a token
-    each, from their columns) into the first rows and tokens of a step's arrays
+def _row_columns(planned: scheduled_rows.ScheduledRows) -> tuple[Sequence[tuple[int, ...]], Sequence, Sequence]:
+    """The rows' decodes as :func:`_decode_columns` gives them: block tables, tokens, positions."""
+    return planned.tables, planned.rows.last_tokens, planned.starts
+
+
+def _fill_decodes(columns: tuple[Sequence[tuple[int, ...]], Sequence, Sequence], block_tables: np.ndarray,
+                  input_ids: np.ndarray, positions: np.ndarray, context_lens: np.ndarray,
+                  query_start_loc: np.ndarray) -> int:
+    """Write decodes of a token each, given as ``columns`` (their block tables, tokens and
+    positions: :func:`_decode_columns`), into the first rows and tokens of a step's arrays
     (:meth:`ModelRunner.prepare`'s); returns their number."""
-    n = len(planned)
-    _fill_tables(block_tables, planned.tables)
-    input_ids[:n], positions[:n] = planned.rows.last_tokens, planned.starts
-    context_lens[:n] = planned.starts + 1
+    tables, tokens, starts = columns
+    n = len(tables)
+    _fill_tables(block_tables, tables)
+    input_ids[:n], positions[:n] = tokens, starts
+    context_lens[:n] = positions[:n] + 1
     query_start_loc[1:] = np.minimum(np.arange(1, len(query_start_loc)), n)
     return n
 
@@ -194,16 +201,12 @@ class ModelRunner:
         block_tables = np.zeros((num_rows, self.max_blocks), np.int32)
         context_lens = np.zeros(num_rows, np.int32)
         query_start_loc = np.zeros(num_rows + 1, np.int32)
+        arrays = (block_tables, input_ids, positions, context_lens, query_start_loc)
         if decode_only:  # a token per work: whole columns at once
-            n = len(works)
-            tables, input_ids[:n], positions[:n] = _decode_columns(works)
-            _fill_tables(block_tables, tables)
-            context_lens[:n] = positions[:n] + 1
-            query_start_loc[1:] = np.minimum(np.arange(1, num_rows + 1), n)
-        else:
+            _fill_decodes(_decode_columns(works), *arrays)
+        else:  # the rows' decodes from their columns, then the others work by work
             planned, others = scheduled_rows.rows_of(works)
-            cursor = 0 if planned is None else _fill_rows(planned, block_tables, input_ids, positions, context_lens,
-                                                           query_start_loc)
+            cursor = 0 if planned is None else _fill_decodes(_row_columns(planned), *arrays)
             _fill_tables(block_tables[cursor:], [work.block_table for work in others])
             for row, work in enumerate(others, start=cursor):
                 n = len(work.token_ids)
